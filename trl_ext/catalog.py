@@ -1,0 +1,207 @@
+"""Discovery of installed plugins through the ``trl_ext`` entry-point group.
+
+The catalog is what is *installed*; the per-stage :class:`trl_ext.host.PluginHost` is what a recipe *selects*.
+First-party plugins are found exactly like third-party ones: ``pyproject.toml`` declares them in the same group.
+
+Environment variables (comma-separated entry-point or distribution names):
+
+* ``TRL_EXT_PLUGINS``: allow-list; when set, only these entry points are loaded (plus ``builtins``, the core's own
+  models and datasets, which is always loaded);
+* ``TRL_EXT_PLUGINS_BLOCK``: block-list; these entry points are never loaded (wins over the allow-list);
+* ``TRL_EXT_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point except ``builtins`` (tests and embedding use this and
+  register what they need by hand).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable
+
+import pluggy
+
+from trl_ext import hookspecs
+from trl_ext.errors import PluginConflictError, UnknownPluginError
+from trl_ext.plugin import SLOT_OF_HOOK, Plugin
+
+ENTRY_POINT_GROUP = "trl_ext"
+ENV_ALLOW = "TRL_EXT_PLUGINS"
+ENV_BLOCK = "TRL_EXT_PLUGINS_BLOCK"
+ENV_DISABLE_AUTOLOAD = "TRL_EXT_DISABLE_PLUGIN_AUTOLOAD"
+ALWAYS_LOADED = "builtins"
+
+SPEC_NAMES = frozenset(n for n in dir(hookspecs) if n.startswith("trl_ext_"))
+REGISTRATION_HOOKS = frozenset({"trl_ext_register_plugins", "trl_ext_register_models", "trl_ext_register_datasets"})
+
+
+@dataclass
+class PluginInfo:
+    """One selectable plugin and where it came from."""
+
+    cls: type[Plugin]
+    source: str  # entry-point name, or "<manual>"
+    distribution: str
+    version: str
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+
+@dataclass
+class LoadFailure:
+    """An entry point that could not be loaded; reported, never fatal for recipes that do not need it."""
+
+    source: str
+    distribution: str
+    error: str
+
+
+@dataclass
+class Catalog:
+    """Installed plugins, models and datasets, with name resolution and did-you-mean errors."""
+
+    plugins: dict[str, PluginInfo] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    models: dict[str, tuple[Callable[..., Any], str]] = field(default_factory=dict)
+    datasets: dict[str, tuple[Callable[..., Any], str]] = field(default_factory=dict)
+    failures: list[LoadFailure] = field(default_factory=list)
+
+    # -- discovery ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def discover(cls, autoload: bool | None = None) -> "Catalog":
+        """Load every allowed entry point of the ``trl_ext`` group and let each register what it provides."""
+        catalog = cls()
+        if autoload is None:
+            autoload = os.environ.get(ENV_DISABLE_AUTOLOAD, "") not in ("1", "true", "yes")
+        allow = _env_names(ENV_ALLOW)
+        block = _env_names(ENV_BLOCK) or set()
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name != ALWAYS_LOADED):
+            dist_name = ep.dist.name if ep.dist is not None else "?"
+            if ep.name != ALWAYS_LOADED:
+                if not autoload or ep.name in block or dist_name in block:
+                    continue
+                if allow is not None and ep.name not in allow and dist_name not in allow:
+                    continue
+            catalog.load_entry_point(ep)
+        return catalog
+
+    def load_entry_point(self, ep: metadata.EntryPoint) -> None:
+        dist = ep.dist
+        dist_name = dist.name if dist is not None else "?"
+        version = dist.version if dist is not None else "?"
+        try:
+            obj = ep.load()
+        except Exception as exc:  # a broken plugin must not break runs that do not select it
+            self.failures.append(LoadFailure(ep.name, dist_name, _short_error(exc)))
+            return
+        try:
+            self.add_source(obj, source=ep.name, distribution=dist_name, version=version)
+        except PluginConflictError:
+            raise  # a name clash is the installer's problem to fix, named on both sides; never silently resolved
+        except Exception as exc:
+            self.failures.append(LoadFailure(ep.name, dist_name, _short_error(exc)))
+
+    def add_source(self, obj: Any, source: str = "<manual>", distribution: str = "<manual>", version: str = "0") -> None:
+        """Register what one entry-point object provides: a Plugin subclass, or a module/class with registration hooks."""
+        if isinstance(obj, type) and issubclass(obj, Plugin):
+            self.add_plugin(obj, source, distribution, version)
+            return
+        unknown = [n for n in dir(obj) if n.startswith("trl_ext_") and n not in SPEC_NAMES]
+        if unknown:
+            raise TypeError(f"{source}: hook implementation(s) with no matching spec: {', '.join(sorted(unknown))}")
+        run_hooks = [n for n in dir(obj) if n in SPEC_NAMES and n not in REGISTRATION_HOOKS]
+        if run_hooks:
+            raise TypeError(
+                f"{source}: run hooks ({', '.join(run_hooks)}) belong on a Plugin subclass, not on an entry-point module"
+            )
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        pm.register(obj, name=source)
+        pm.check_pending()
+        pm.hook.trl_ext_register_plugins(register=lambda c: self.add_plugin(c, source, distribution, version))
+        pm.hook.trl_ext_register_models(register=lambda n, f: self._add_named(self.models, "model", n, f, source))
+        pm.hook.trl_ext_register_datasets(register=lambda n, f: self._add_named(self.datasets, "dataset", n, f, source))
+
+    def add_plugin(self, plugin_cls: type[Plugin], source: str = "<manual>", distribution: str = "<manual>", version: str = "0") -> None:
+        check_plugin_class(plugin_cls)
+        info = PluginInfo(plugin_cls, source, distribution, version)
+        for key in (plugin_cls.name, *plugin_cls.aliases):
+            holder = self.plugins.get(key) or self.plugins.get(self.aliases.get(key, ""))
+            if holder is not None and holder.cls is not plugin_cls:
+                raise PluginConflictError(
+                    f"plugin name {key!r} is claimed twice: by {holder.cls.__module__}.{holder.cls.__qualname__} "
+                    f"(distribution {holder.distribution}) and by {plugin_cls.__module__}.{plugin_cls.__qualname__} "
+                    f"(distribution {distribution})"
+                )
+        self.plugins[plugin_cls.name] = info
+        for alias in plugin_cls.aliases:
+            self.aliases[alias] = plugin_cls.name
+
+    def remove_plugin(self, name: str) -> None:
+        """Unregister a plugin (used by tests in ``finally`` blocks, never on the live catalog of a run)."""
+        info = self.plugins.pop(name)
+        for alias in info.cls.aliases:
+            self.aliases.pop(alias, None)
+
+    @staticmethod
+    def _add_named(table: dict, kind: str, name: str, fn: Callable[..., Any], source: str) -> None:
+        if name in table and table[name][0] is not fn:
+            raise PluginConflictError(f"{kind} name {name!r} is registered by both {table[name][1]} and {source}")
+        table[name] = (fn, source)
+
+    # -- lookup ------------------------------------------------------------------------------------------------
+
+    def resolve(self, name: str, where: str = "plugins") -> PluginInfo:
+        """Find a plugin by name or alias, or raise with suggestions and the available names."""
+        canonical = self.aliases.get(name, name)
+        if canonical in self.plugins:
+            return self.plugins[canonical]
+        failed = [f for f in self.failures if f.source == name]
+        if failed:
+            raise UnknownPluginError(f"{where}: plugin {name!r} is installed but failed to load: {failed[0].error}")
+        known = sorted([*self.plugins, *self.aliases])
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        raise UnknownPluginError(f"{where}: unknown plugin {name!r}.{hint} Available: {', '.join(sorted(self.plugins))}")
+
+    def failure_for_unknown(self) -> list[LoadFailure]:
+        return list(self.failures)
+
+
+def check_plugin_class(plugin_cls: type[Plugin]) -> None:
+    """Conformance rules every plugin class must meet (raised at registration, i.e. load time)."""
+    where = f"{plugin_cls.__module__}.{plugin_cls.__qualname__}"
+    name = getattr(plugin_cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{where}: a Plugin subclass must set a non-empty class attribute `name`")
+    hooks = plugin_cls.implemented_hooks()
+    unknown = [h for h in hooks if h not in SPEC_NAMES]
+    if unknown:
+        raise TypeError(f"plugin {name!r} ({where}): hook implementation(s) with no matching spec: {', '.join(unknown)}")
+    registration = [h for h in hooks if h in REGISTRATION_HOOKS]
+    if registration:
+        raise TypeError(f"plugin {name!r}: registration hooks ({', '.join(registration)}) belong on the entry-point module")
+    for hook in hooks:
+        slot = SLOT_OF_HOOK.get(hook)
+        if slot is not None and slot not in plugin_cls.slots:
+            raise TypeError(f"plugin {name!r} implements {hook} and must declare the exclusive slot {slot.value!r}")
+        if getattr(getattr(plugin_cls, hook), "trl_ext_impl", None) is None:
+            raise TypeError(f"plugin {name!r}: method {hook} must be decorated with @trl_ext.hookimpl")
+
+
+def _env_names(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def _short_error(exc: BaseException) -> str:
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(exc).__name__}: {exc}{where}"

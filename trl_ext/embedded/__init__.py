@@ -1,0 +1,8 @@
+"""Embedded default model and task, built in code so nothing is downloaded.
+
+- `trl_ext.embedded.tokenizer`: `build_tokenizer()`, the character-level tokenizer.
+- `trl_ext.embedded.models`: `EMBEDDED_MODELS`, `build_model()`, `materialize_model()`.
+- `trl_ext.embedded.arithmetic`: `EMBEDDED_DATASETS`, `arithmetic_dataset()`, `exact_match_reward()`.
+
+The submodules are not imported here so that importing one of them does not load the others.
+"""

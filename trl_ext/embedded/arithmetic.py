@@ -1,0 +1,121 @@
+"""Embedded verifiable task: two-operand integer arithmetic ("12+34=" -> "46").
+
+Problems are all ordered pairs (a, b) with 0 <= a, b < max_operand for each operation. A seeded
+shuffle puts a fixed number of problems in the test split and the rest in train, so held-out
+problems never appear in training and every call with the same arguments returns the same rows.
+The answer is plain text ending with the eos token, which the embedded tokenizer encodes as one token.
+"""
+
+import random
+import re
+from collections.abc import Callable
+
+from datasets import Dataset
+
+from trl_ext.embedded.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
+
+FORMATS = ("prompt_completion", "prompt", "preference", "unpaired")
+_OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+# 200 held-out problems for the default 50 x 50 additions (2300 train), at most a fifth of the problems.
+_MAX_TEST_SIZE = 200
+
+
+def _problems(split: str, seed: int, max_operand: int, operations: str) -> list[tuple[int, str, int]]:
+    unknown = set(operations) - set(_OPERATIONS)
+    if unknown or not operations:
+        raise ValueError(f"operations must be made of {''.join(_OPERATIONS)!r}, got {operations!r}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    problems = [(a, op, b) for op in operations for a in range(max_operand) for b in range(max_operand)]
+    random.Random(seed).shuffle(problems)
+    test_size = min(_MAX_TEST_SIZE, len(problems) // 5)
+    return problems[:test_size] if split == "test" else problems[test_size:]
+
+
+def _wrong_answer(a: int, op: str, b: int, answer: int, seed: int) -> int:
+    """A deterministic plausible mistake: a small offset, a tens error, or the digits reversed."""
+    # Seeding with the problem text makes the mistake independent of row order and of Python's hash seed.
+    rng = random.Random(f"{seed}:{a}{op}{b}")
+    candidates = [answer + 1, answer - 1, answer + 2, answer - 2, answer + 10, answer - 10]
+    digits = str(abs(answer))
+    if len(digits) > 1 and digits[::-1] != digits:
+        candidates.append(int(digits[::-1]) * (1 if answer >= 0 else -1))
+    # A negative answer to a problem whose true answer is not negative would be too easy to reject.
+    candidates = [c for c in candidates if c != answer and (c >= 0 or answer < 0)]
+    return rng.choice(candidates)
+
+
+def arithmetic_dataset(
+    split: str = "train",
+    format: str = "prompt_completion",
+    seed: int = 0,
+    max_operand: int = 50,
+    size: int | None = None,
+    operations: str = "+",
+) -> Dataset:
+    """Return the `split` ("train" or "test") of the arithmetic task in a TRL dataset `format`.
+
+    Formats (all plain text, not conversational; every one has the gold `answer` for reward functions):
+    - "prompt_completion": prompt, completion (answer + eos), answer; for SFTTrainer.
+    - "prompt": prompt, answer; for GRPOTrainer and RLOOTrainer.
+    - "preference": prompt, chosen (answer + eos), rejected (a wrong answer + eos), answer; for
+      DPOTrainer and RewardTrainer.
+    - "unpaired": prompt, completion, label (True for a correct completion), answer; for KTOTrainer.
+      Rows alternate correct and wrong completions so the labels are balanced.
+    The completions already end with eos, so the trainers, which append eos only when it is missing,
+    do not add a second one.
+    `size` keeps the first `size` problems of the (shuffled) split. `operations` is a string of "+-*".
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    problems = _problems(split, seed, max_operand, operations)
+    if size is not None:
+        if size > len(problems):
+            raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
+        problems = problems[:size]
+
+    rows = []
+    for index, (a, op, b) in enumerate(problems):
+        answer = _OPERATIONS[op](a, b)
+        row = {"prompt": f"{a}{op}{b}=", "answer": str(answer)}
+        if format == "prompt_completion":
+            row["completion"] = f"{answer}{EOS_TOKEN}"
+        elif format == "preference":
+            row["chosen"] = f"{answer}{EOS_TOKEN}"
+            row["rejected"] = f"{_wrong_answer(a, op, b, answer, seed)}{EOS_TOKEN}"
+        elif format == "unpaired":
+            label = index % 2 == 0
+            shown = answer if label else _wrong_answer(a, op, b, answer, seed)
+            row["completion"] = f"{shown}{EOS_TOKEN}"
+            row["label"] = label
+        rows.append(row)
+    return Dataset.from_list(rows)
+
+
+_LEADING_INTEGER = re.compile(r"-?\d+")
+_SPECIAL_TEXT = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+
+
+def _completion_text(completion) -> str:
+    # TRL passes conversational completions as a list of messages; the answer is the last message.
+    if isinstance(completion, list):
+        return completion[-1]["content"] if completion else ""
+    return completion
+
+
+def exact_match_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """1.0 where the integer at the start of the completion equals the gold answer, else 0.0.
+
+    Special-token text (e.g. "<eos>") and surrounding whitespace are ignored; anything after the
+    leading integer is ignored too, so "46<eos>", " 46" and "46 =" all match "46" but "460" does not.
+    Takes TRL's reward-function arguments: `answer` is the dataset column, other columns arrive in kwargs.
+    """
+    rewards = []
+    for completion, gold in zip(completions, answer, strict=True):
+        text = _SPECIAL_TEXT.sub("", _completion_text(completion)).strip()
+        match = _LEADING_INTEGER.match(text)
+        rewards.append(1.0 if match is not None and match.group() == str(gold).strip() else 0.0)
+    return rewards
+
+
+EMBEDDED_DATASETS: dict[str, Callable[..., Dataset]] = {"arithmetic": arithmetic_dataset}

@@ -1,0 +1,157 @@
+"""Tiny randomly initialised causal LMs built in code, and a way to save them for TRL.
+
+The models are small enough that every TRL trainer runs at a few hundredths of a second per step on a
+CPU. TRL re-loads a reference model from the policy's `_name_or_path` (GRPO with beta != 0, RLOO), so
+`materialize_model` writes a model to a directory that can be passed to TRL by path.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from trl_ext.embedded.tokenizer import build_tokenizer
+
+# Written last into a materialized directory: its presence means the copy is complete, and its content
+# says which model and seed the copy holds.
+MARKER_FILE = "trl_ext_embedded.json"
+
+
+def _special_token_ids() -> dict[str, int]:
+    # The model configs must agree with the tokenizer, or generation would not stop at eos.
+    tokenizer = build_tokenizer()
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def _qwen2_config(hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int) -> Qwen2Config:
+    return Qwen2Config(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads // 2,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=512,
+        # Tied embeddings keep the vocabulary from dominating the parameter count.
+        tie_word_embeddings=True,
+        **_special_token_ids(),
+    )
+
+
+def _tiny_qwen2() -> Qwen2Config:
+    # About 330K parameters: learns two-operand addition partially within a minute of SFT on 2 CPU cores.
+    return _qwen2_config(hidden_size=96, num_layers=3, num_heads=4, intermediate_size=256)
+
+
+def _tiny_qwen2_small() -> Qwen2Config:
+    # About 60K parameters: the "weak" model of weak-versus-strong experiments.
+    return _qwen2_config(hidden_size=48, num_layers=2, num_heads=2, intermediate_size=128)
+
+
+def _tiny_qwen3_moe() -> Qwen3MoeConfig:
+    # Every layer is sparse (4 experts, top-2) so MoE routing code has routers to look at in each layer.
+    return Qwen3MoeConfig(
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        **_special_token_ids(),
+    )
+
+
+_CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], type[PreTrainedModel]]] = {
+    "tiny-qwen2": (_tiny_qwen2, Qwen2ForCausalLM),
+    "tiny-qwen2-small": (_tiny_qwen2_small, Qwen2ForCausalLM),
+    "tiny-qwen3-moe": (_tiny_qwen3_moe, Qwen3MoeForCausalLM),
+}
+
+
+def build_model(name: str = "tiny-qwen2", seed: int = 0) -> PreTrainedModel:
+    """Build the embedded model `name` with random weights drawn from `seed` (same seed, same weights)."""
+    if name not in _CONFIGS:
+        raise ValueError(f"Unknown embedded model {name!r}; choose one of {sorted(_CONFIGS)}")
+    make_config, model_class = _CONFIGS[name]
+    # Fork the RNG so that building a model neither depends on nor disturbs the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(make_config())
+    # Keep the generation defaults in step with the tokenizer (greedy stops at eos, pads with pad).
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.bos_token_id = model.config.bos_token_id
+    return model
+
+
+EMBEDDED_MODELS: dict[str, Callable[..., PreTrainedModel]] = {
+    name: (lambda seed=0, _name=name: build_model(_name, seed)) for name in _CONFIGS
+}
+
+
+def materialize_model(name: str, directory: str | Path, seed: int = 0) -> Path:
+    """Save model `name` (seed `seed`) with its tokenizer into `directory` and return the directory.
+
+    The copy is written to a temporary sibling directory and renamed into place, so `directory` is
+    either absent or complete, even if several processes (e.g. the ranks of a torchrun job) materialize
+    the same model at once. A complete copy of the same model and seed is returned unchanged; a
+    directory holding anything else raises rather than being overwritten.
+    """
+    directory = Path(directory)
+    expected = {"name": name, "seed": seed}
+    if _existing_copy(directory, expected):
+        return directory
+    if directory.exists() and any(directory.iterdir()):
+        raise FileExistsError(f"{directory} is not empty and holds no embedded model copy")
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        build_model(name, seed).save_pretrained(staging, safe_serialization=True)
+        build_tokenizer().save_pretrained(staging)
+        (staging / MARKER_FILE).write_text(json.dumps(expected))
+        if directory.exists():
+            directory.rmdir()  # empty (checked above); a rename cannot replace a directory otherwise
+        os.replace(staging, directory)
+    except OSError:
+        # Another process may have renamed its own complete copy into place first.
+        shutil.rmtree(staging, ignore_errors=True)
+        if _existing_copy(directory, expected):
+            return directory
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory
+
+
+def _existing_copy(directory: Path, expected: dict) -> bool:
+    marker = directory / MARKER_FILE
+    if not marker.is_file():
+        return False
+    found = json.loads(marker.read_text())
+    if found != expected:
+        raise FileExistsError(f"{directory} holds embedded model {found}, not {expected}")
+    return True

@@ -1,0 +1,83 @@
+"""Held-out evaluation by generation: decode each prompt and score the completions with a reward function."""
+
+from collections.abc import Callable
+
+import torch
+
+
+@torch.no_grad()
+def evaluate_generation(
+    model,
+    tokenizer,
+    dataset,
+    reward_fn: Callable[..., list[float]],
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    num_samples: int = 1,
+) -> dict:
+    """Generate completions for `dataset["prompt"]` and score them with `reward_fn`.
+
+    `reward_fn` is called like a TRL reward function: `reward_fn(prompts=..., completions=..., **columns)`
+    with the dataset's other columns (e.g. `answer`) repeated once per sample. Returns
+    {"accuracy": share of completions earning the full reward 1.0, "reward_mean": mean reward,
+    "n": number of completions scored}. Greedy decoding is deterministic and ignores `temperature`
+    and `num_samples` (every sample would be the same); sampling draws `num_samples` per prompt.
+    The model is put in eval mode for generation and given back in the mode it came in.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+    samples = 1 if greedy else num_samples
+    columns = {name: dataset[name] for name in dataset.column_names}
+    prompts = [_prompt_text(tokenizer, prompt) for prompt in columns.pop("prompt")]
+    device = getattr(model, "device", torch.device("cpu"))
+    # Sampling draws from the full distribution (top_k=0), as TRL's GRPO and RLOO do by default.
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0}
+
+    was_training = model.training
+    model.eval()
+    try:
+        completions = []
+        for start in range(0, len(prompts), batch_size):
+            # Left padding puts every prompt's last token at the end, where generation continues.
+            batch = tokenizer(
+                prompts[start : start + batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            ).to(device)
+            output = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=samples,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **sampling,
+            )
+            new_tokens = output[:, batch["input_ids"].shape[1] :]
+            completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    finally:
+        model.train(was_training)
+
+    # generate() returns the samples of one prompt next to each other; repeat the columns to match.
+    repeat = lambda values: [value for value in values for _ in range(samples)]  # noqa: E731
+    rewards = reward_fn(
+        prompts=repeat(prompts),
+        completions=completions,
+        **{name: repeat(values) for name, values in columns.items()},
+    )
+    n = len(rewards)
+    return {
+        "accuracy": sum(reward >= 1.0 for reward in rewards) / n if n else 0.0,
+        "reward_mean": sum(rewards) / n if n else 0.0,
+        "n": n,
+    }
+
+
+def _prompt_text(tokenizer, prompt) -> str:
+    # Conversational prompts are rendered the way TRL renders them for generation.
+    if isinstance(prompt, list):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt

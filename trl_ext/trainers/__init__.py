@@ -1,0 +1,128 @@
+"""The trainer table: recipe trainer names -> TRL config class, trl-ext subclass, and how to build it.
+
+A table, not an if/elif chain: each :class:`TrainerKind` knows its config class, its constructor call and what it can
+provide to plugins (its capabilities). TRL internals each subclass depends on are listed in its module docstring; the
+TRL pin in pyproject.toml (``trl>=1.16,<1.17``) is the range these were checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trl import DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
+
+from trl_ext.plugin import Need
+
+
+@dataclass
+class BuildContext:
+    """Everything needed to construct a trainer for one stage (models as paths, datasets loaded)."""
+
+    model: str
+    ref_model: str | None
+    teacher: str | None
+    config: Any
+    train_dataset: Any
+    eval_dataset: Any
+    tokenizer: Any
+    peft_config: Any
+    callbacks: list
+    host: Any
+    reward_funcs: list
+    reward_weights: list[float]
+
+
+def _common(ctx: BuildContext) -> dict[str, Any]:
+    return dict(args=ctx.config, train_dataset=ctx.train_dataset, eval_dataset=ctx.eval_dataset,
+                processing_class=ctx.tokenizer, callbacks=ctx.callbacks, peft_config=ctx.peft_config,
+                plugin_host=ctx.host)
+
+
+def _load_ref(path: str | None):
+    if path is None:
+        return None
+    from trl.models.utils import create_model_from_path
+
+    return create_model_from_path(path)
+
+
+def _build_sft(ctx):
+    from trl_ext.trainers.sft import ExtSFTTrainer
+
+    return ExtSFTTrainer(model=ctx.model, **_common(ctx))
+
+
+def _build_grpo(ctx):
+    from trl_ext.trainers.grpo import ExtGRPOTrainer
+
+    return ExtGRPOTrainer(model=ctx.model, reward_funcs=ctx.reward_funcs, **_common(ctx))
+
+
+def _build_rloo(ctx):
+    from trl_ext.trainers.others import ExtRLOOTrainer
+
+    return ExtRLOOTrainer(model=ctx.model, reward_funcs=ctx.reward_funcs, **_common(ctx))
+
+
+def _build_dpo(ctx):
+    from trl_ext.trainers.dpo import ExtDPOTrainer
+
+    return ExtDPOTrainer(model=ctx.model, ref_model=_load_ref(ctx.ref_model), **_common(ctx))
+
+
+def _build_kto(ctx):
+    from trl_ext.trainers.dpo import ExtKTOTrainer
+
+    return ExtKTOTrainer(model=ctx.model, ref_model=_load_ref(ctx.ref_model), **_common(ctx))
+
+
+def _build_reward(ctx):
+    from trl_ext.trainers.others import ExtRewardTrainer
+
+    return ExtRewardTrainer(model=ctx.model, **_common(ctx))
+
+
+def _build_distillation(ctx):
+    from trl_ext.trainers.others import ExtDistillationTrainer
+
+    return ExtDistillationTrainer(model=ctx.model, teacher_model=ctx.teacher, **_common(ctx))
+
+
+def _rl_capabilities(stage, args: dict[str, Any], default_beta: float) -> set[Need]:
+    caps = {Need.OLD_POLICY_LOGPROBS}
+    if args.get("beta", default_beta) != 0:
+        caps.add(Need.REFERENCE)
+    if args.get("use_vllm", False):
+        caps.add(Need.SAMPLING_LOGPROBS)
+    return caps
+
+
+@dataclass(frozen=True)
+class TrainerKind:
+    name: str
+    config_cls: type
+    build: Callable[[BuildContext], Any]
+    capabilities: Callable[[Any, dict[str, Any]], set[Need]]
+    uses_rewards: bool = False  # RL trainers take reward functions from plugins
+    reads_ref_model: bool = False  # `ref_model:` is meaningful for this trainer
+    reads_teacher: bool = False
+
+
+def _teacher_caps(stage, args):
+    return {Need.TEACHER} if stage.teacher else set()
+
+
+TRAINER_KINDS: dict[str, TrainerKind] = {
+    kind.name: kind
+    for kind in [
+        TrainerKind("sft", SFTConfig, _build_sft, lambda s, a: set()),
+        TrainerKind("grpo", GRPOConfig, _build_grpo, lambda s, a: _rl_capabilities(s, a, 0.0) | _teacher_caps(s, a),
+                    uses_rewards=True),
+        TrainerKind("rloo", RLOOConfig, _build_rloo, lambda s, a: _rl_capabilities(s, a, 0.05), uses_rewards=True),
+        TrainerKind("dpo", DPOConfig, _build_dpo, lambda s, a: {Need.REFERENCE}, reads_ref_model=True),
+        TrainerKind("kto", KTOConfig, _build_kto, lambda s, a: {Need.REFERENCE}, reads_ref_model=True),
+        TrainerKind("reward", RewardConfig, _build_reward, lambda s, a: set()),
+        TrainerKind("distillation", DistillationConfig, _build_distillation, _teacher_caps, reads_teacher=True),
+    ]
+}

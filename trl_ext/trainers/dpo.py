@@ -1,0 +1,87 @@
+"""Preference trainers: TRL's ``DPOTrainer`` and ``KTOTrainer`` with the preference-loss seam.
+
+DPO: when a plugin fills the ``preference_loss`` slot, trl-ext computes the policy's summed completion log-probs with
+TRL's fused LM head (the same call TRL makes), the reference's through TRL's ``compute_ref_log_probs`` (only when a
+selected plugin needs the reference), and asks the plugin for the per-example loss. Otherwise TRL's own
+``_compute_loss`` runs untouched.
+
+TRL 1.16 internals relied on: ``DPOTrainer._compute_loss(model, inputs, return_outputs)``, the collated keys
+``input_ids``/``attention_mask``/``completion_mask`` with chosen rows first then rejected rows, the fused-head output
+``log_probs``, ``compute_ref_log_probs(model, inputs)`` and the optional ``ref_chosen_logps``/``ref_rejected_logps``.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl import DPOTrainer, KTOTrainer
+
+from trl_ext.batches import PreferenceInputs
+from trl_ext.plugin import Need
+from trl_ext.trainers.base import HostMixin
+
+_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+
+class ExtDPOTrainer(HostMixin, DPOTrainer):
+    def __init__(self, *args, plugin_host, **kwargs):
+        self._init_host(plugin_host)
+        super().__init__(*args, **kwargs)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if return_outputs or not self.plugin_host.implements("trl_ext_preference_loss"):
+            return super()._compute_loss(model, inputs, return_outputs)
+        model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
+        model_kwargs["use_cache"] = False
+        completion_mask = inputs["completion_mask"]
+        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+        outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
+        shift_mask = completion_mask[..., 1:]
+        per_token_logps = outputs.log_probs[:, -shift_mask.size(1):]
+        chosen_logps, rejected_logps = per_token_logps.sum(dim=1).chunk(2, dim=0)
+        chosen_lengths, rejected_lengths = shift_mask.sum(dim=1).chunk(2, dim=0)
+
+        ref_chosen = ref_rejected = None
+        if Need.REFERENCE in self.plugin_host.needs():
+            if "ref_chosen_logps" in inputs:
+                ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+            else:
+                ref_model = self.ref_model if self.ref_model is not None else self.model
+                ref_chosen, ref_rejected = self.compute_ref_log_probs(ref_model, inputs)
+        pref = PreferenceInputs(
+            chosen_logps=chosen_logps,
+            rejected_logps=rejected_logps,
+            chosen_lengths=chosen_lengths,
+            rejected_lengths=rejected_lengths,
+            ref_chosen_logps=ref_chosen,
+            ref_rejected_logps=ref_rejected,
+            beta=self.beta,
+            batch={k: v for k, v in inputs.items() if k not in model_kwargs},
+        )
+        per_example = self.plugin_host.hook.trl_ext_preference_loss(inputs=pref)
+        loss = per_example.mean()
+        self._log_preference_metrics(pref)
+        return loss
+
+    def _log_preference_metrics(self, pref: PreferenceInputs) -> None:
+        gather = self.accelerator.gather
+        metrics = {
+            "logps/chosen": gather(pref.chosen_logps.detach()).mean().item(),
+            "logps/rejected": gather(pref.rejected_logps.detach()).mean().item(),
+        }
+        if pref.ref_chosen_logps is not None:
+            chosen = self.beta * (pref.chosen_logps - pref.ref_chosen_logps).detach()
+            rejected = self.beta * (pref.rejected_logps - pref.ref_rejected_logps).detach()
+            metrics["rewards/chosen"] = gather(chosen).mean().item()
+            metrics["rewards/rejected"] = gather(rejected).mean().item()
+            metrics["rewards/margins"] = gather(chosen - rejected).mean().item()
+            metrics["rewards/accuracies"] = gather((chosen > rejected).float()).mean().item()
+        metrics.update(pref.metrics)
+        self._log_plugin_metrics(metrics)
+
+
+class ExtKTOTrainer(HostMixin, KTOTrainer):
+    """TRL's KTOTrainer; plugins act through the generic seams (dataset, trainer-created, after-stage)."""
+
+    def __init__(self, *args, plugin_host, **kwargs):
+        self._init_host(plugin_host)
+        super().__init__(*args, **kwargs)
