@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from trl_ext.errors import RecipeError, UnknownPluginError
 
@@ -150,7 +150,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise RecipeError(f"--set {item!r}: expected PATH=VALUE")
         path, raw_value = item.split("=", 1)
-        value = yaml.safe_load(raw_value)
+        value = _parse_scalar(raw_value)
         parts = [p for p in path.replace("[", ".").replace("]", "").split(".") if p]
         node: Any = data
         for depth, part in enumerate(parts):
@@ -169,6 +169,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             else:
                 raise RecipeError(f"--set {path}: {'.'.join(parts[:depth])} is not a mapping or list")
     return data
+
+
+def _parse_scalar(raw: str) -> Any:
+    """YAML-parse a --set value; PyYAML (YAML 1.1) reads 1e-3 as a string, so numeric strings become floats."""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _list_index(node: list, part: str, path: str) -> int:
@@ -241,15 +252,33 @@ def _unknown(where: str, kind: str, name: str, table: dict) -> str:
 def check_args_fields(args: dict[str, Any], config_cls: type, where: str) -> list[str]:
     """Every key of ``args`` must be a field of the TRL config class (did-you-mean on typos)."""
     fields = {f.name for f in dataclasses.fields(config_cls)}
+    hints = _type_hints(config_cls)
     errors = []
-    for key in args:
+    for key, value in args.items():
         if key in MANAGED_ARGS:
             errors.append(f"{where}.args.{key}: managed by trl-ext; {MANAGED_ARGS[key]}")
         elif key not in fields:
             close = difflib.get_close_matches(key, sorted(fields), n=3, cutoff=0.7)
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             errors.append(f"{where}.args.{key}: not a field of {config_cls.__name__}.{hint}")
+        elif key in hints:
+            # HF/TRL configs do not type-check their fields; a string learning rate would only fail mid-training.
+            try:
+                args[key] = TypeAdapter(hints[key]).validate_python(value)
+            except ValidationError as exc:
+                errors.append(f"{where}.args.{key}: {exc.errors()[0]['msg']} (got {value!r})")
+            except Exception:  # an annotation pydantic cannot model: leave the check to the config class
+                pass
     return errors
+
+
+def _type_hints(config_cls: type) -> dict[str, Any]:
+    import typing
+
+    try:
+        return typing.get_type_hints(config_cls)
+    except Exception:
+        return {}
 
 
 def instantiate_plugins(stage: StageSpec, index: int, catalog) -> tuple[list, list[str]]:

@@ -64,6 +64,9 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
         errors.append(f"{where}.teacher: neither the {stage.trainer} trainer nor a selected plugin uses a teacher")
     plugins, plugin_errors = instantiate_plugins(stage, index, catalog)
     errors += plugin_errors
+    if kind.uses_rewards and not plugin_errors and not any("trl_ext_reward_functions" in p.implemented_hooks() for p in plugins):
+        errors.append(f"{where}.plugins: the {stage.trainer} trainer needs at least one reward plugin "
+                      f"(e.g. exact_match, math_verify)")
     if errors:
         raise RecipeError(errors)
     host = PluginHost(plugins)

@@ -1,0 +1,159 @@
+"""Recipe validation and the CLI: every bad input ends with a message naming the field or plugin, exit code 2, and
+nothing written. No model is loaded in this file."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trl_ext.cli import main
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import apply_overrides, parse_recipe
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+BASE = {
+    "trainer": "sft",
+    "model": "embedded:tiny-qwen2",
+    "dataset": "embedded:arithmetic",
+    "args": {"max_steps": 1},
+}
+
+
+def write(tmp_path, data, name="recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))  # JSON is YAML
+    return str(path)
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_shipped_config_validates(config, capsys):
+    code, out, err = run_cli(capsys, "validate", str(config))
+    assert code == 0, err
+    assert "valid" in out
+    first_line = config.read_text().splitlines()[0]
+    assert first_line.startswith("# Run: trl-ext train"), f"{config.name} must open with the command that runs it"
+
+
+def test_single_stage_shorthand_and_plugin_forms():
+    recipe = parse_recipe({**BASE, "plugins": ["sft", {"grpo": {"a": 1}}, {"name": "dpo", "params": {"b": 2}}]})
+    assert [s.name for s in recipe.stages] == ["main"]
+    assert [(p.name, p.params) for p in recipe.stages[0].plugins] == [("sft", {}), ("grpo", {"a": 1}), ("dpo", {"b": 2})]
+
+
+def test_set_overrides_by_stage_name_and_index():
+    data = {"stages": [{**BASE, "name": "a"}, {**BASE, "name": "b"}]}
+    apply_overrides(data, ["stages.b.args.max_steps=7", "stages[0].args.learning_rate=1e-3"])
+    assert data["stages"][1]["args"]["max_steps"] == 7
+    assert data["stages"][0]["args"]["learning_rate"] == 1e-3
+    with pytest.raises(RecipeError, match="no list item 'zz'"):
+        apply_overrides(data, ["stages.zz.args.max_steps=1"])
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"plugins": ["sfft"]}, ["stages[0].plugins[0]: unknown plugin 'sfft'", "Did you mean: sft", "Available:"]),
+        ({"plugins": [{"sft": {"normalization": "words"}}]}, ["stages[0].plugins[0].params.normalization", "'sft'"]),
+        ({"plugins": [{"sft": {"bogus": 1}}]}, ["stages[0].plugins[0].params.bogus", "Extra inputs"]),
+        ({"model": None}, ["stages[0].model"]),
+        ({"args": {"learnin_rate": 1e-3}}, ["stages[0].args.learnin_rate: not a field of SFTConfig", "learning_rate"]),
+        ({"args": {"output_dir": "x"}}, ["stages[0].args.output_dir: managed by trl-ext"]),
+        ({"trainer": "grpoo"}, ["stages[0].trainer: unknown trainer 'grpoo'", "Did you mean: grpo"]),
+        ({"trainer": "dpo", "plugins": ["grpo"]}, ["plugin 'grpo' works with trainer(s) ['grpo'], not 'dpo'"]),
+        ({"model": "stage:later"}, ["stages[0].model: 'stage:later' does not name an earlier stage"]),
+        ({"model": "embedded:tiny-qwen"}, ["stages[0].model: unknown embedded model 'tiny-qwen'", "tiny-qwen2"]),
+        ({"args": {"learning_rate": "fast"}}, ["stages[0].args.learning_rate: Input should be a valid number"]),
+        ({"args": {"lr_scheduler_type": "sideways"}}, ["stages[0].args: SFTConfig rejected the arguments"]),
+    ],
+)
+def test_bad_recipes_name_the_field(tmp_path, capsys, patch, expected):
+    data = {**BASE, **patch}
+    if patch.get("model", "x") is None:
+        del data["model"]
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
+    assert code == 2
+    for fragment in expected:
+        assert fragment in err, err
+
+
+def test_grpo_without_reward_and_unmet_need(tmp_path, capsys):
+    data = {**BASE, "trainer": "grpo", "plugins": ["grpo"], "args": {"beta": 0.0}}
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
+    assert code == 2 and "needs at least one reward plugin" in err
+
+
+def test_conflicting_plugins_named_both(tmp_path, capsys, monkeypatch):
+    from trl_ext import Plugin, Slot, hookimpl
+
+    class OtherObjective(Plugin):
+        """Test objective."""
+
+        name = "other_objective"
+        slots = frozenset({Slot.OBJECTIVE})
+
+        @hookimpl
+        def trl_ext_policy_loss(self, inputs):
+            return None
+
+    from trl_ext.catalog import Catalog
+
+    original = Catalog.discover
+
+    def discover(cls=Catalog, autoload=None):
+        catalog = original(autoload)
+        catalog.add_plugin(OtherObjective)
+        return catalog
+
+    monkeypatch.setattr(Catalog, "discover", classmethod(lambda cls, autoload=None: discover(cls, autoload)))
+    data = {**BASE, "trainer": "grpo", "plugins": ["grpo", "other_objective", "exact_match"]}
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
+    assert code == 2
+    assert "'grpo' and 'other_objective' both fill the exclusive slot 'objective'" in err
+
+
+def test_not_yaml_and_not_mapping(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, "stages: [unclosed", "a.yaml"))
+    assert code == 2 and "not valid YAML" in err
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, "- just\n- a list\n", "b.yaml"))
+    assert code == 2 and "must be a YAML mapping" in err
+    code, _, err = run_cli(capsys, "validate", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "no such recipe file" in err
+
+
+def test_train_with_invalid_recipe_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "train", write(tmp_path, {**BASE, "plugins": ["nope"]}), "--output-dir", str(out))
+    assert code == 2 and "unknown plugin 'nope'" in err
+    assert not out.exists()
+
+
+def test_output_dir_with_another_recipes_finished_stage(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "main").mkdir(parents=True)
+    (out / "main" / "stage.json").write_text(json.dumps({"fingerprint": "someone-else"}))
+    (out / "run.json").write_text('{"status": "complete"}')
+    code, _, err = run_cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
+    assert code == 2 and "holds a finished stage 'main' of a different recipe" in err
+    assert (out / "run.json").read_text() == '{"status": "complete"}'  # untouched
+
+
+def test_plugins_list_and_show(capsys):
+    code, out, _ = run_cli(capsys, "plugins", "list", "--json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert code == 0 and {"sft", "grpo", "dpo", "exact_match"} <= set(rows)
+    assert rows["grpo"]["distribution"] == "trl-ext" and rows["grpo"]["status"] == "loaded"
+    assert "trl_ext_policy_loss" in rows["grpo"]["hooks"] and "objective" in rows["grpo"]["slots"]
+    code, out, _ = run_cli(capsys, "plugins", "list")
+    assert code == 0 and "exact_match" in out
+    code, out, _ = run_cli(capsys, "plugins", "show", "sft")
+    assert code == 0 and "normalization" in out and "default 'token'" in out and "2203.02155" in out
+    code, _, err = run_cli(capsys, "plugins", "show", "dpoo")
+    assert code == 2 and "Did you mean: dpo" in err
