@@ -32,6 +32,8 @@ class RolloutBatch:
     old_per_token_logps: torch.Tensor | None = None  # (B, T) trainer policy at sampling time, if computed
     sampling_per_token_logps: torch.Tensor | None = None  # (B, T) rollout engine's log-probs, if recorded
     ref_per_token_logps: torch.Tensor | None = None  # (B, T) reference policy, if computed
+    prompt_ids: torch.Tensor | None = None  # (B, P) this rank's left-padded prompt ids (for extra forward passes)
+    prompt_mask: torch.Tensor | None = None  # (B, P)
     trainer: Any = None  # the trl-ext trainer, for plugins that must generate or score (e.g. ReMax, PPO critic)
     metrics: dict[str, float] = field(default_factory=dict)  # plugins add figures here; the host logs them
 

@@ -224,7 +224,8 @@ def trl_ext_compute_advantages(rewards: torch.Tensor, batch: RolloutBatch) -> to
 def trl_ext_policy_loss(inputs: LossInputs) -> torch.Tensor | None:
     """Return the per-token policy loss, shape ``(B, T)`` or ``(B, 1)`` (slot ``objective``).
 
-    ``inputs`` carries the current, old, sampling and reference per-token log-probs, the advantages, the loss mask and
+    Called once per micro-batch on every rank. ``inputs`` carries the current, old, sampling and reference per-token
+    log-probs, the advantages, the loss mask and
     the trainer's clip settings. Return a tensor to be minimised, or ``None`` for TRL's own objective
     (``GRPOConfig.loss_type``). Masking and aggregation happen later; do not apply the mask here.
 
@@ -236,7 +237,7 @@ def trl_ext_policy_loss(inputs: LossInputs) -> torch.Tensor | None:
 def trl_ext_token_weights(inputs: LossInputs) -> TokenWeights | None:
     """Return per-token weights and/or a mask for the policy loss (importance corrections, masking schemes).
 
-    Called after the objective. Return :class:`trl_ext.batches.TokenWeights` (``weight`` multiplies the per-token loss
+    Called once per micro-batch on every rank, after the objective. Return :class:`trl_ext.batches.TokenWeights` (``weight`` multiplies the per-token loss
     and must be detached; ``mask`` removes tokens from the loss *and from the aggregation denominator*), or ``None``.
 
     Composition: weights multiply, masks AND, in recipe order. Since 0.1.
@@ -247,7 +248,8 @@ def trl_ext_token_weights(inputs: LossInputs) -> TokenWeights | None:
 def trl_ext_aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor | None:
     """Reduce the per-token loss to the scalar that is back-propagated (slot ``aggregation``).
 
-    Called after weights and the KL term are applied. ``mask`` is the final loss mask. The returned scalar must already
+    Called once per micro-batch on every rank, after weights and the KL term are applied. ``mask`` is the final
+    loss mask. The returned scalar must already
     account for gradient accumulation (``inputs.grad_accum_steps`` and ``inputs.num_items_in_batch`` are provided),
     because trl-ext, like TRL's GRPO trainer, scales the loss itself. Return ``None`` for TRL's aggregation for the
     configured ``loss_type``.
@@ -261,7 +263,8 @@ def trl_ext_aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, inp
 def trl_ext_extra_loss(inputs: LossInputs) -> torch.Tensor | None:
     """Return an extra scalar loss term (positive-example NLL, value loss, auxiliary penalties).
 
-    Called after aggregation; must already account for gradient accumulation like the aggregated loss does.
+    Called once per micro-batch on every rank, after aggregation. The term must already account for gradient
+    accumulation like the aggregated loss does. Return ``None`` for no term.
 
     Composition: terms add. Since 0.1.
     """

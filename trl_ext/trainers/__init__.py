@@ -42,7 +42,7 @@ def _common(ctx: BuildContext) -> dict[str, Any]:
 def _load_ref(path: str | None):
     if path is None:
         return None
-    from trl.models.utils import create_model_from_path
+    from trl.trainer.utils import create_model_from_path
 
     return create_model_from_path(path)
 

@@ -12,6 +12,8 @@ TRL 1.16 internals relied on: ``DPOTrainer._compute_loss(model, inputs, return_o
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from trl import DPOTrainer, KTOTrainer
 
@@ -23,11 +25,21 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 
 class ExtDPOTrainer(HostMixin, DPOTrainer):
+    # Extra collated dataset columns (e.g. reward columns) that reach plugins in ``PreferenceInputs.batch`` and never
+    # the model; a plugin adds names here and wraps ``data_collator`` (see trl_ext_plugins.preference.columns).
+    preference_columns: frozenset[str] = frozenset()
+
     def __init__(self, *args, plugin_host, **kwargs):
         self._init_host(plugin_host)
-        super().__init__(*args, **kwargs)
+        # A preference-loss plugin that does not need the reference (SimPO, ORPO): keep TRL from loading one.
+        reference_free = (self.plugin_host.implements("trl_ext_preference_loss")
+                          and Need.REFERENCE not in self.plugin_host.needs() and kwargs.get("ref_model") is None)
+        with _skip_reference_model(policy_is_path=isinstance(kwargs.get("model"), str), active=reference_free):
+            super().__init__(*args, **kwargs)
 
     def _compute_loss(self, model, inputs, return_outputs):
+        columns = {k: inputs[k] for k in self.preference_columns if k in inputs}
+        inputs = {k: v for k, v in inputs.items() if k not in columns}
         if return_outputs or not self.plugin_host.implements("trl_ext_preference_loss"):
             return super()._compute_loss(model, inputs, return_outputs)
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
@@ -55,7 +67,7 @@ class ExtDPOTrainer(HostMixin, DPOTrainer):
             ref_chosen_logps=ref_chosen,
             ref_rejected_logps=ref_rejected,
             beta=self.beta,
-            batch={k: v for k, v in inputs.items() if k not in model_kwargs},
+            batch={**{k: v for k, v in inputs.items() if k not in model_kwargs}, **columns},
         )
         per_example = self.plugin_host.hook.trl_ext_preference_loss(inputs=pref)
         loss = per_example.mean()
@@ -77,6 +89,33 @@ class ExtDPOTrainer(HostMixin, DPOTrainer):
             metrics["rewards/accuracies"] = gather((chosen > rejected).float()).mean().item()
         metrics.update(pref.metrics)
         self._log_plugin_metrics(metrics)
+
+
+@contextlib.contextmanager
+def _skip_reference_model(policy_is_path: bool, active: bool):
+    """Make ``DPOTrainer.__init__`` leave ``self.ref_model = None`` instead of loading a copy of the policy.
+
+    TRL 1.16 has no reference-free switch; its ``__init__`` calls ``create_model_from_path`` (imported into
+    ``trl.trainer.dpo_trainer``) once for the policy when ``model`` is a path, then once for the reference. The second
+    call is answered with ``None``; every later use of ``self.ref_model`` in TRL checks for ``None``.
+    """
+    if not active:
+        yield
+        return
+    import trl.trainer.dpo_trainer as dpo_module
+
+    real = dpo_module.create_model_from_path
+    calls = {"n": 0}
+
+    def create(path, **kwargs):
+        calls["n"] += 1
+        return real(path, **kwargs) if policy_is_path and calls["n"] == 1 else None
+
+    dpo_module.create_model_from_path = create
+    try:
+        yield
+    finally:
+        dpo_module.create_model_from_path = real
 
 
 class ExtKTOTrainer(HostMixin, KTOTrainer):

@@ -70,7 +70,6 @@ UNSUPPORTED_WITH_LOSS_PLUGINS = {
     "entropy_coef": 0.0,
     "use_adaptive_entropy": False,
     "delta": None,
-    "use_bias_correction_kl": False,
 }
 
 
@@ -97,7 +96,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         if not any(self.plugin_host.implements(h) for h in ROLLOUT_HOOKS):
             return rewards_per_func
         device = rewards_per_func.device
-        pad = self.pad_token_id
+        pad = self._tokenizer.pad_token_id
         width = max((len(ids) for ids in completion_ids_list), default=0)
         ids = torch.full((len(completion_ids_list), width), pad, dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
@@ -135,6 +134,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         batch.old_per_token_logps = output.get("old_per_token_logps")
         batch.sampling_per_token_logps = output.get("sampling_per_token_logps")
         batch.ref_per_token_logps = output.get("ref_per_token_logps")
+        batch.prompt_ids, batch.prompt_mask = output.get("prompt_ids"), output.get("prompt_mask")
 
         # Total reward exactly as TRL weighs it; rows no function could score stay NaN.
         rewards = (batch.rewards_per_func * batch.reward_weights.unsqueeze(0)).nansum(dim=1)
@@ -220,6 +220,8 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
         if self.beta != 0.0:
             per_token_kl = ops.kl_k3(per_token_logps, inputs["ref_per_token_logps"])
+            if self.args.use_bias_correction_kl:  # TRL's default: importance-weight the KL by pi_theta/pi_old
+                per_token_kl = per_token_kl * self._trl_ratio(li)
             per_token_loss = per_token_loss + self.beta * per_token_kl
             li.metrics["kl"] = self._masked_global_mean(per_token_kl, li.mask)
 
