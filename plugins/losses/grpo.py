@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from trl_ext import NoParams, Plugin, Slot, hookimpl, ops
+from trl_ext import NoParams, hookimpl, ops
+from trl_ext_plugins.losses.base import ObjectivePlugin
 
 
-class GRPO(Plugin):
+class GRPO(ObjectivePlugin):
     """GRPO (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300).
 
     Objective per token: ``clipobj(r, A) = min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`` with
@@ -16,26 +17,16 @@ class GRPO(Plugin):
 
     Defaults: the clip range and KL weight are TRL's fields (``args.epsilon`` 0.2, ``args.beta``). The paper used
     beta=0.04 and G=64; TRL defaults to beta=0.0 (no reference model loaded) and G=8: set ``args.beta: 0.04`` for the
-    paper's KL. Sets ``args.loss_type: grpo`` so TRL's logging and warnings match; parity with TRL's
-    ``loss_type="grpo"`` is tested (tests/test_parity.py).
+    paper's KL. Sets ``args.loss_type: grpo``, whose aggregation (seq-mean-token-mean) the trainer then applies; the
+    aggregation can be swapped with the ``aggregation`` plugin. Parity with TRL's ``loss_type="grpo"`` is tested
+    (tests/test_losses_parity.py).
     """
 
     name = "grpo"
-    family = "loss"
-    trainers = frozenset({"grpo"})
-    slots = frozenset({Slot.OBJECTIVE, Slot.AGGREGATION})
     Params = NoParams
-
-    @hookimpl
-    def trl_ext_configure_args(self, trainer, args):
-        return {"loss_type": "grpo"}
+    trl_args = {"loss_type": "grpo"}
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
         ratio = ops.safe_ratio(inputs.log_ratio)
         return ops.ppo_clip_objective(ratio, inputs.advantages, inputs.epsilon_low, inputs.epsilon_high)
-
-    @hookimpl
-    def trl_ext_aggregate_loss(self, per_token_loss, mask, inputs):
-        loss = ops.seq_mean_token_mean(per_token_loss, mask)
-        return loss / (inputs.grad_accum_steps if inputs.training else 1)

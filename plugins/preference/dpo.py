@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from trl_ext import Need, NoParams, Plugin, Slot, hookimpl, ops
+from trl_ext import NoParams, hookimpl, ops
+from trl_ext_plugins.preference.common import PreferenceLoss
 
 
-class DPO(Plugin):
+class DPO(PreferenceLoss):
     """DPO (Rafailov et al. 2023, arXiv 2305.18290).
 
     ``L = -log sigmoid(beta * [(log pi/pi_ref)(y_w) - (log pi/pi_ref)(y_l)])`` with sequence log-probs *summed* over
@@ -15,10 +16,6 @@ class DPO(Plugin):
     """
 
     name = "dpo"
-    family = "preference"
-    trainers = frozenset({"dpo"})
-    slots = frozenset({Slot.PREFERENCE_LOSS})
-    needs = frozenset({Need.REFERENCE})
     Params = NoParams
 
     @hookimpl

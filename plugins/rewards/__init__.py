@@ -1,9 +1,17 @@
 """Reward plugins for RL trainers (GRPO, RLOO) and held-out evaluation."""
 
 from trl_ext import hookimpl
+from trl_ext_plugins.rewards.constraints import Constraints
 from trl_ext_plugins.rewards.exact_match import ExactMatch
+from trl_ext_plugins.rewards.length_shaping import LengthShaping
+from trl_ext_plugins.rewards.unit_tests import UnitTests
+from trl_ext_plugins.rewards.verify_math import MathVerify
 
 
 @hookimpl
 def trl_ext_register_plugins(register):
     register(ExactMatch)
+    register(Constraints)
+    register(LengthShaping)
+    register(MathVerify)
+    register(UnitTests)

@@ -26,7 +26,7 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 class ExtDPOTrainer(HostMixin, DPOTrainer):
     # Extra collated dataset columns (e.g. reward columns) that reach plugins in ``PreferenceInputs.batch`` and never
-    # the model; a plugin adds names here and wraps ``data_collator`` (see trl_ext_plugins.preference.columns).
+    # the model; a plugin adds names here and wraps ``data_collator`` (see trl_ext_plugins.preference.common).
     preference_columns: frozenset[str] = frozenset()
 
     def __init__(self, *args, plugin_host, **kwargs):

@@ -1,0 +1,196 @@
+"""Advantage estimators as small pure tensor functions (ALGORITHMS.md items 27-30, 38, 39).
+
+Conventions pinned here (and tested in tests/test_advantages_math.py):
+
+* Rewards are ``(N,)`` with groups as consecutive runs of ``G`` rows (TRL's layout); ``NaN`` marks a row no reward
+  function could score. Such rows are left out of every baseline and mean, and get advantage 0.
+* Token tensors are ``(B, T)``, right-padded, with a float/bool ``mask`` (1 = completion token).
+* Whitening is over valid tokens of the *global* batch with the unbiased (N-1) variance and
+  ``(x - mean) / sqrt(var + 1e-8)`` (verl's ``masked_whiten``); ``reduce`` sums a tensor over ranks (``None``: one
+  process), so the same function gives the same numbers on one or many processes.
+* KL estimators per sampled token with ``d = log pi - log pi_ref``: k1 = d, k2 = d^2/2, k3 = e^-d - 1 + d.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor] | None
+WHITEN_EPS = 1e-8
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size}")
+    return rewards.view(-1, group_size)
+
+
+# -- sequence-level baselines ----------------------------------------------------------------------------------------
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int, normalize: bool = False) -> torch.Tensor:
+    """Leave-one-out: ``A_k = R_k - mean_{j != k} R_j`` over the *scorable* siblings (RLOO, arXiv 2402.14740).
+
+    Same NaN policy as TRL's RLOOTrainer: unscorable rows, and a row whose group has no other scorable row, get 0.
+    ``normalize``: then ``(A - mean) / (std + 1e-4)`` over the rows with a defined advantage (unbiased std), as
+    ``RLOOConfig.normalize_advantages``. ``group_size`` (K) must be >= 2: with one sample there is no baseline.
+    """
+    if group_size < 2:
+        raise ValueError(f"RLOO needs at least 2 samples per prompt (num_generations >= 2), got {group_size}")
+    grouped = _grouped(rewards, group_size)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    total = torch.nansum(grouped, dim=1, keepdim=True)
+    advantages = (grouped - (total - grouped) / (scorable - 1)).reshape(-1)
+    if normalize:
+        defined = advantages[~torch.isnan(advantages)]
+        advantages = (advantages - defined.mean()) / (defined.std() + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def group_mean_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-prompt mean reward (scorable rows only), repeated for each row of the group."""
+    return torch.nanmean(_grouped(rewards, group_size), dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+
+
+def batch_mean_baseline(rewards: torch.Tensor) -> torch.Tensor:
+    """Mean reward of the whole (gathered) batch, scorable rows only, as a ``(N,)`` tensor."""
+    return torch.nanmean(rewards).expand_as(rewards)
+
+
+def ema_update(previous: float, rewards: torch.Tensor, decay: float) -> float:
+    """Moving-average baseline update ``b <- decay * b + (1 - decay) * mean(R)`` (scorable rows only)."""
+    mean = torch.nanmean(rewards)
+    return previous if torch.isnan(mean) else decay * previous + (1 - decay) * mean.item()
+
+
+def baseline_advantages(rewards: torch.Tensor, baseline: torch.Tensor | float) -> torch.Tensor:
+    """REINFORCE with a baseline: ``A = R - b``; unscorable rows get 0."""
+    return torch.nan_to_num(rewards - baseline, nan=0.0)
+
+
+def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """ReMax (arXiv 2310.10505): ``A = R(x, y) - R(x, y_greedy(x))``; ``greedy_rewards`` holds one value per prompt
+    (per group of ``group_size`` rows). Unscorable rows (either side) get 0."""
+    grouped = _grouped(rewards, group_size)
+    if greedy_rewards.shape != (grouped.shape[0],):
+        raise ValueError(f"expected one greedy reward per prompt ({grouped.shape[0]}), got {tuple(greedy_rewards.shape)}")
+    return torch.nan_to_num(grouped - greedy_rewards.to(grouped.dtype).unsqueeze(1), nan=0.0).view(-1)
+
+
+# -- token-level pieces ----------------------------------------------------------------------------------------------
+
+
+def _k1(d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+def _k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d * d
+
+
+def _k3(d: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-d) - 1 + d
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs; ``estimator`` in ``KL_ESTIMATORS``."""
+    return KL_ESTIMATORS[estimator](logps - ref_logps)
+
+
+def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """1 at the last valid token of each right-padded row (rows with no token get none)."""
+    mask = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
+    lengths = mask.sum(-1).long()
+    out = torch.zeros_like(mask)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = 1
+    return out
+
+
+def token_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """RLHF per-token rewards ``r_t = 1[t = last] * R - kl_coef * KL_t`` on valid tokens, 0 on padding."""
+    mask = mask.to(sequence_rewards.dtype)
+    out = last_token_mask(mask).to(sequence_rewards.dtype) * sequence_rewards.unsqueeze(-1)
+    if kl is not None and kl_coef:
+        out = out - kl_coef * kl.to(out.dtype)
+    return out * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float | torch.Tensor = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2015, arXiv 1506.02438) over right-padded sequences.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` after the last valid token = 0; ``A_t = sum_l (gamma*lam)^l
+    delta_{t+l}`` within the sequence. ``lam`` is a float or a ``(B,)``/``(B, 1)`` tensor (length-adaptive lambda).
+    Returns ``(advantages, returns)`` with ``returns = A + V``; both are 0 on padding.
+    """
+    mask = mask.to(rewards.dtype)
+    lam_t = torch.as_tensor(lam, dtype=rewards.dtype, device=rewards.device)
+    if lam_t.dim() == 1:
+        lam_t = lam_t.unsqueeze(-1)
+    lam_t = lam_t.expand(rewards.shape[0], 1) if lam_t.dim() else lam_t
+    values = values.to(rewards.dtype) * mask
+    rewards = rewards * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, :1])
+    next_value = torch.zeros_like(running)
+    next_mask = torch.zeros_like(running)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t : t + 1] + gamma * next_value * next_mask - values[:, t : t + 1]
+        running = delta + gamma * lam_t * next_mask * running
+        advantages[:, t : t + 1] = running
+        next_value, next_mask = values[:, t : t + 1], mask[:, t : t + 1]
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """``G_t = sum_{s >= t} gamma^(s-t) r_s`` within each sequence (GAE with V = 0 and lambda = 1)."""
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
+    """VAPO's policy lambda ``1 - 1/(alpha * l)`` (arXiv 2504.05118), with ``alpha * l`` clamped to >= 1 so lambda is
+    in [0, 1] (NeMo-RL's convention)."""
+    scaled = (alpha * lengths.to(torch.float64)).clamp(min=1.0)
+    return (1.0 - 1.0 / scaled).clamp(0.0, 1.0)
+
+
+# -- global-batch statistics -----------------------------------------------------------------------------------------
+
+
+def _sum(t: torch.Tensor, reduce: Reduce) -> torch.Tensor:
+    return t if reduce is None else reduce(t)
+
+
+def masked_moments(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of ``values`` over ``mask`` across all ranks (two passes for accuracy)."""
+    mask = mask.to(values.dtype)
+    totals = _sum(torch.stack([(values * mask).sum(), mask.sum()]), reduce)
+    mean = totals[0] / totals[1].clamp(min=1.0)
+    squares = _sum(((values - mean) ** 2 * mask).sum(), reduce)
+    var = squares / (totals[1] - 1).clamp(min=1.0)
+    return mean, var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` over the valid tokens of the global batch; padding stays 0."""
+    mean, var = masked_moments(values, mask, reduce)
+    return (values - mean) * torch.rsqrt(var + WHITEN_EPS) * mask.to(values.dtype)
+
+
+def torch_distributed_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the default torch.distributed group (identity when not initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t

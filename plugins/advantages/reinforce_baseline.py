@@ -1,0 +1,79 @@
+"""``reinforce_baseline``: REINFORCE advantages ``R - b`` with a choice of baseline."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext_plugins.advantages.math import (
+    baseline_advantages,
+    batch_mean_baseline,
+    ema_update,
+    group_mean_baseline,
+)
+from trl_ext_plugins.advantages.rollout import local
+
+
+class ReinforceBaselineParams(PluginParams):
+    baseline: Literal["none", "batch_mean", "group_mean", "moving_average"] = Field(
+        "group_mean", description="b(x): none (b = 0), batch_mean (mean reward of the gathered batch), group_mean "
+        "(mean of the prompt's samples) or moving_average (exponential moving average of past batch means).")
+    decay: float = Field(0.9, ge=0.0, lt=1.0, description="moving_average: b <- decay * b + (1 - decay) * mean(R), "
+                         "updated after the batch's advantages are computed.")
+    initial: float = Field(0.0, description="moving_average: the baseline used for the first batch.")
+
+
+def _none(rewards, batch, plugin):
+    return torch.zeros_like(rewards)
+
+
+def _batch_mean(rewards, batch, plugin):
+    return batch_mean_baseline(rewards)
+
+
+def _group_mean(rewards, batch, plugin):
+    return group_mean_baseline(rewards, batch.num_generations)
+
+
+def _moving_average(rewards, batch, plugin):
+    baseline = torch.full_like(rewards, plugin.running_baseline)
+    plugin.running_baseline = ema_update(plugin.running_baseline, rewards, plugin.params.decay)
+    return baseline
+
+
+BASELINES = {"none": _none, "batch_mean": _batch_mean, "group_mean": _group_mean, "moving_average": _moving_average}
+
+
+class ReinforceBaseline(Plugin):
+    """REINFORCE with a baseline (Williams 1992; for LLMs Ahmadian et al. 2024, arXiv 2402.14740).
+
+    ``A = R(x, y) - b(x)``, one value per sequence broadcast to its tokens. This plugin is only the *advantage*
+    side; pair it with the ``reinforce`` objective of the losses family (no ratio, ``-A * log pi``) for the plain
+    estimator, or with any other objective. The baseline is unbiased when it does not depend on ``y``: ``none``,
+    ``moving_average`` (the value from *previous* batches is used, then updated) and, approximately,
+    ``batch_mean``/``group_mean`` (which include the sample itself; ``rloo`` is the leave-one-out fix).
+
+    Defaults: ``baseline: group_mean`` (TRL GRPO with ``scale_rewards: none`` gives the same numbers), EMA ``decay``
+    0.9, ``initial`` 0. Unscorable rows are left out of the means and get advantage 0. The moving average is plugin
+    state kept identically on every rank (rewards are gathered); it is not saved in checkpoints, so a resumed run
+    restarts it from ``initial``.
+    """
+
+    name = "reinforce_baseline"
+    family = "advantage"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.ADVANTAGE})
+    Params = ReinforceBaselineParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.running_baseline = self.params.initial
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        baseline = BASELINES[self.params.baseline](rewards, batch, self)
+        batch.metrics["advantages/baseline_mean"] = torch.nanmean(baseline).item()
+        return local(baseline_advantages(rewards, baseline), batch)

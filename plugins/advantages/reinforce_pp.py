@@ -1,0 +1,82 @@
+"""``reinforce_pp`` and ``reinforce_pp_baseline``: REINFORCE++ advantages with global-batch whitening."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from trl_ext import Need, NoParams, Plugin, PluginParams, Slot, hookimpl
+from trl_ext_plugins.advantages.math import (
+    discounted_returns,
+    group_mean_baseline,
+    kl_estimate,
+    masked_whiten,
+    token_rewards,
+)
+from trl_ext_plugins.advantages.rollout import local, rank_reduce, sampling_policy_logps
+
+
+class ReinforcePPParams(PluginParams):
+    kl_coef: float = Field(0.01, ge=0.0, description="beta of the per-token KL folded into the reward, "
+                           "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL_t estimator with d = log pi_old - log "
+                                                     "pi_ref: k1 = d (paper), k2 = d^2/2, k3 = e^-d - 1 + d.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of the token returns G_t (paper: 1).")
+
+
+class ReinforcePP(Plugin):
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): critic-free token-level advantages.
+
+    Token rewards ``r_t = 1[t = T] * R - beta * KL_t`` with ``KL_t`` from ``log pi_old - log pi_ref`` of the sampled
+    token (k1 by default; k2/k3 selectable), returns ``G_t = sum_{s >= t} gamma^(s-t) r_s`` (gamma 1), then
+    ``A_t = (G_t - mean) / std`` over the valid tokens of the *global* batch (all ranks; unbiased variance,
+    ``sqrt(var + 1e-8)``; verl's masked_whiten). Returns ``(B, T)`` advantages for a PPO-clip objective.
+
+    Defaults (OpenRLHF): ``kl_coef`` 0.01, k1, gamma 1. Needs the reference log-probs, which the GRPO trainer computes
+    only when ``args.beta != 0``; that also adds TRL's ``beta * k3`` KL term to the loss, so to keep the KL (almost)
+    only in the reward set ``args.beta`` small (the trainer has no switch for reference log-probs without a loss
+    term). ``log pi_old`` is TRL's recorded old policy, or one no-grad forward pass of the unchanged policy when TRL
+    did not record it. Unscorable rows count as reward 0 with KL only.
+    """
+
+    name = "reinforce_pp"
+    family = "advantage"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.ADVANTAGE})
+    needs = frozenset({Need.REFERENCE})
+    Params = ReinforcePPParams
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        mask = batch.completion_mask.to(torch.float32)
+        kl = kl_estimate(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(),
+                         self.params.kl_estimator)
+        per_token = token_rewards(torch.nan_to_num(local(rewards, batch)).float(), mask, kl, self.params.kl_coef)
+        returns = discounted_returns(per_token, mask, self.params.gamma)
+        batch.metrics["reinforce_pp/kl"] = (kl * mask).sum().item() / max(mask.sum().item(), 1.0)
+        return masked_whiten(returns, mask, rank_reduce(batch))
+
+
+class ReinforcePPBaseline(Plugin):
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262), for several samples per prompt.
+
+    ``A' = R - mean_group(R)`` (group mean of scorable rows), broadcast to the sequence's tokens, then whitened over
+    the valid tokens of the *global* batch like ``reinforce_pp`` (unbiased variance, ``sqrt(var + 1e-8)``). No KL in
+    the reward: the paper puts KL in the loss as a separate k2 term; here it is the GRPO trainer's ``args.beta``
+    term, which is TRL's k3 estimator. Unscorable rows get advantage 0 before whitening and are excluded from it.
+    """
+
+    name = "reinforce_pp_baseline"
+    family = "advantage"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.ADVANTAGE})
+    Params = NoParams
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        centred = local(rewards - group_mean_baseline(rewards, batch.num_generations), batch)
+        mask = batch.completion_mask.to(torch.float32) * (~torch.isnan(centred)).unsqueeze(-1)
+        per_token = torch.nan_to_num(centred).float().unsqueeze(-1) * mask
+        return masked_whiten(per_token, mask, rank_reduce(batch))

@@ -1,0 +1,56 @@
+"""``rloo``: leave-one-out baseline on the GRPO machinery."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext_plugins.advantages.math import rloo_advantages
+from trl_ext_plugins.advantages.rollout import local
+
+
+class RLOOParams(PluginParams):
+    normalize: bool = Field(False, description="Normalise advantages over the global batch afterwards, like TRL's "
+                            "RLOOConfig.normalize_advantages: (A - mean) / (std + 1e-4), unbiased std, scorable rows.")
+
+
+def _num_generations(args: dict, key: str, default: int | None) -> int | None:
+    value = args.get(key, default)
+    return default if value is None else int(value)
+
+
+class RLOO(Plugin):
+    """RLOO, REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740).
+
+    ``A_k = R_k - (1/(K-1)) * sum_{j != k} R_j = K/(K-1) * (R_k - mean_j R_j)`` per prompt, one value per sequence
+    broadcast to its tokens, on top of whichever policy objective the stage selects (TRL's default or a loss plugin).
+
+    Conventions: the estimator is TRL ``RLOOTrainer``'s (parity tested): unscorable rows (every reward function
+    returned ``None``) are left out of their siblings' baselines and get advantage 0; a group with one scorable row
+    gives it 0. ``normalize`` reproduces ``RLOOConfig.normalize_advantages`` (default off, as in TRL). Unlike TRL's
+    RLOOTrainer, no KL is folded into the reward here: the GRPO trainer's ``args.beta`` adds k3 KL to the loss
+    instead (TRL RLOO: beta 0.05, sequence-level k1 in the reward). K = ``args.num_generations`` must be >= 2
+    (refused at validation); the paper used K = 2 or 4, TRL RLOOConfig defaults to 2.
+    """
+
+    name = "rloo"
+    family = "advantage"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.ADVANTAGE})
+    Params = RLOOParams
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        from trl import GRPOConfig
+
+        errors = []
+        for key, default in (("num_generations", GRPOConfig.num_generations), ("num_generations_eval", None)):
+            value = _num_generations(stage.args, key, default)
+            if value is not None and value < 2:
+                errors.append(f"plugin 'rloo': args.{key} must be >= 2 for a leave-one-out baseline "
+                              f"(got {value}); with one sample per prompt there is no other sample to average")
+        return errors
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        return local(rloo_advantages(rewards, batch.num_generations, self.params.normalize), batch)

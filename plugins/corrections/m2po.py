@@ -1,0 +1,44 @@
+"""``m2po``: second-moment masking of importance weights under high staleness."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext.batches import TokenWeights
+from trl_ext_plugins.corrections import math
+
+
+class M2POParams(PluginParams):
+    threshold: float = Field(0.04, gt=0, description="tau_M2: largest allowed mean of (log r)^2 over kept tokens.")
+
+
+class M2PO(Plugin):
+    """M2PO (Zheng, Zhao, Chen 2025, "Prosperity before Collapse", arXiv 2510.01161).
+
+    ``M2 = (1/N) sum (log r)^2`` with ``r = pi_theta / pi_behaviour`` over the micro-batch's loss tokens; the tokens with
+    the largest (log r)^2 are masked until the mean of the rest is <= tau_M2 (default 0.04, AReaL's ``m2_threshold``).
+    pi_behaviour is the rollout engine's log-probs when recorded (vLLM or ``rollout_logprobs``), else pi_old. The mask
+    removes tokens from the loss *and* from the aggregation denominator (convention 8; AReaL masks the loss mask).
+    Conventions: the second moment is taken per micro-batch on this rank, not over the global batch; the paper's
+    objective ``M * r * A`` without PPO clipping is obtained with an objective such as ``cispo`` or ``grpo`` with a wide
+    clip (AReaL ``eps_clip: 0``), since this plugin only masks.
+    """
+
+    name = "m2po"
+    family = "correction"
+    trainers = frozenset({"grpo"})
+    Params = M2POParams
+
+    @hookimpl
+    def trl_ext_token_weights(self, inputs):
+        behaviour = inputs.sampling_per_token_logps
+        if behaviour is None:
+            behaviour = inputs.old_per_token_logps
+        log_ratio = (inputs.per_token_logps.detach() - behaviour).nan_to_num(nan=0.0) * inputs.mask
+        keep = math.m2_keep_mask(log_ratio, inputs.mask, self.params.threshold)
+        valid = inputs.mask.bool()
+        if bool(valid.any()):
+            inputs.metrics[f"{self.name}/second_moment"] = (log_ratio[valid] ** 2).mean().item()
+            inputs.metrics[f"{self.name}/changed_fraction"] = (~keep)[valid].float().mean().item()
+        return TokenWeights(mask=keep)

@@ -1,0 +1,91 @@
+"""Pure functions of the ``corrections`` family (ALGORITHMS.md items 40-43; conventions 5-9).
+
+Three policies are named explicitly (convention 7): ``pi_rollout`` (the engine that sampled the tokens; its per-token
+log-probs are ``sampling_per_token_logps``), ``pi_old`` (the trainer's copy at sampling time) and ``pi_theta``.
+TIS / MIS / IcePop weight by rho = pi_old / pi_rollout; the rollout-ratio objective uses pi_theta / pi_rollout; M2PO
+masks by the second moment of log(pi_theta / pi_behaviour). Weights returned here are detached; ratios are formed in log
+space with the +-20 clamp of :func:`trl_ext.ops.safe_ratio`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trl_ext import ops
+
+
+def rollout_log_rho(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """log rho = log pi_old - log pi_rollout on loss tokens, 0 elsewhere and where the engine gave no log-prob (NaN)."""
+    return torch.nan_to_num((old_per_token_logps - sampling_per_token_logps) * mask, nan=0.0).detach()
+
+
+def sequence_log_rho(log_rho: torch.Tensor, mask: torch.Tensor, geometric: bool = False) -> torch.Tensor:
+    """Sequence-level log rho, ``(B, 1)``: the sum over tokens (log of prod_t rho_t, TRL ``sequence_*`` modes), or the
+    mean (geometric-mean ratio, "Geo-RS")."""
+    total = log_rho.sum(-1, keepdim=True)
+    return total / mask.sum(-1, keepdim=True).clamp(min=1.0) if geometric else total
+
+
+def truncated_weight(rho: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
+    """TIS: clamp(rho, lower, upper) (upper-only when ``lower`` is None)."""
+    return torch.clamp(rho, min=lower, max=upper)
+
+
+def band_weight(rho: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
+    """MIS / IcePop: rho where lower <= rho <= upper, else 0 (bounds inclusive, absolute ratio bounds)."""
+    outside = torch.zeros_like(rho, dtype=torch.bool)
+    if lower is not None:
+        outside = outside | (rho < lower)
+    if upper is not None:
+        outside = outside | (rho > upper)
+    return rho.masked_fill(outside, 0.0)
+
+
+def double_sided_weight(ratio: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """GLM-5 direct double-sided IS: f(r) = r if 1-eps_low < r < 1+eps_high else 0 (strict), detached."""
+    ratio = ratio.detach()
+    return torch.where((ratio > 1 - eps_low) & (ratio < 1 + eps_high), ratio, torch.zeros_like(ratio))
+
+
+def m2_keep_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO (arXiv 2510.01161): drop the tokens with the largest (log r)^2 until the mean over the remaining loss tokens
+    is <= ``threshold``. Returns a bool keep-mask ``(B, T)`` (False also on non-loss tokens)."""
+    valid = mask.bool()
+    squared = (log_ratio.detach() ** 2).masked_fill(~valid, 0.0).flatten()
+    n = int(valid.sum())
+    if n == 0:
+        return valid
+    order = torch.argsort(squared, descending=True)[:n]  # loss tokens first (non-loss ones are 0 and sort last)
+    ranked = squared[order]
+    removed = torch.arange(n, device=squared.device, dtype=squared.dtype)  # k tokens removed
+    remaining_sum = ranked.sum() - torch.cat([ranked.new_zeros(1), ranked.cumsum(0)[:-1]])
+    remaining_mean = remaining_sum / (n - removed)
+    ok = remaining_mean <= threshold
+    k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else n
+    keep = torch.ones_like(squared, dtype=torch.bool)
+    keep[order[:k]] = False
+    return keep.view_as(mask) & valid
+
+
+def mismatch_stats(log_rho: torch.Tensor, weight: torch.Tensor, changed: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, float]:
+    """Mean/max |log pi_old - log pi_rollout|, fraction of tokens whose weight was changed (masked or truncated), and
+    min/mean/max weight, over loss tokens (weights of shape (B, 1) are broadcast)."""
+    valid = mask.bool()
+    if not bool(valid.any()):
+        return {}
+    diff = log_rho.abs()[valid]
+    w = weight.expand_as(mask)[valid]
+    return {
+        "logp_diff/mean": diff.mean().item(),
+        "logp_diff/max": diff.max().item(),
+        "changed_fraction": changed.expand_as(mask)[valid].float().mean().item(),
+        "weight/min": w.min().item(),
+        "weight/mean": w.mean().item(),
+        "weight/max": w.max().item(),
+    }
+
+
+def rho_from_log(log_rho: torch.Tensor) -> torch.Tensor:
+    return ops.safe_ratio(log_rho)

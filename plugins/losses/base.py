@@ -1,0 +1,30 @@
+"""Shared shape of the objective plugins: one exclusive ``objective`` slot and the TRL fields each one pins."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from trl_ext import Plugin, Slot, hookimpl
+
+
+class ObjectivePlugin(Plugin):
+    """Base for per-token policy objectives on the GRPO trainer.
+
+    An objective fills only the ``objective`` slot; the aggregation stays selectable on its own (plugin
+    ``aggregation``). When none is selected the trainer aggregates as TRL does for ``args.loss_type``, so each
+    objective pins, through ``trl_args``, the ``loss_type`` whose aggregation its paper uses (and any other TRL field
+    its paper fixes). A recipe that sets one of these fields to another value is refused, naming field and plugin.
+    """
+
+    family = "loss"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.OBJECTIVE})
+    trl_args: ClassVar[dict[str, Any]] = {}
+
+    def extra_trl_args(self) -> dict[str, Any]:
+        """TRL fields that depend on this instance's parameters (override where needed)."""
+        return {}
+
+    @hookimpl
+    def trl_ext_configure_args(self, trainer, args):
+        return {**self.trl_args, **self.extra_trl_args()} or None

@@ -1,0 +1,39 @@
+"""``gmpo``: Geometric-Mean Policy Optimization."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from trl_ext import PluginParams, hookimpl
+from trl_ext_plugins.losses import math
+from trl_ext_plugins.losses.base import ObjectivePlugin
+
+
+class GMPOParams(PluginParams):
+    epsilon_low: float = Field(0.4, gt=0, description="Lower clip bound in log space (ratio >= e^-eps); sets "
+                                                       "args.epsilon.")
+    epsilon_high: float = Field(0.4, gt=0, description="Upper clip bound in log space (ratio <= e^eps); sets "
+                                                        "args.epsilon_high.")
+
+
+class GMPO(ObjectivePlugin):
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673).
+
+    ``J = (1/G) sum_i sgn(A_i) prod_t |min(r_it A_i, clip(r_it, e^-eps1, e^eps2) A_i)|^(1/|o_i|)``: the PPO min/clip
+    is taken per token *in log space*, then the sequence's geometric mean ratio multiplies A_i. Defaults
+    ``(eps1, eps2) = (0.4, 0.4)`` in log space (ratio range (0.670320, 1.491825)), as the paper, TRL's experimental
+    GMPOTrainer (``epsilon=0.4``) and verl ``geo_mean``. Clip bounds are log-space (convention 9): this plugin sets
+    ``args.epsilon``/``args.epsilon_high`` to them. One loss per sequence, aggregated seq-mean (``args.loss_type:
+    grpo``), which equals TRL GMPO's plain mean over sequences (parity tested). Needs one advantage per sequence.
+    """
+
+    name = "gmpo"
+    Params = GMPOParams
+
+    def extra_trl_args(self):
+        return {"loss_type": "grpo", "epsilon": self.params.epsilon_low, "epsilon_high": self.params.epsilon_high}
+
+    @hookimpl
+    def trl_ext_policy_loss(self, inputs):
+        return math.gmpo_objective(inputs.log_ratio, inputs.advantages, inputs.mask, inputs.epsilon_low,
+                                   inputs.epsilon_high)

@@ -1,0 +1,46 @@
+"""``reinforce``: plain policy gradient with a baseline (no ratio, no clip)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from trl_ext import PluginParams, hookimpl
+from trl_ext_plugins.losses import math
+from trl_ext_plugins.losses.base import ObjectivePlugin
+
+
+class REINFORCEParams(PluginParams):
+    scale_rewards: Literal["none", "group", "batch"] = Field(
+        "none", description="Advantage = R - mean_G(R) ('none', the plain group-mean baseline), or also divided by "
+                            "the group/batch std (TRL args.scale_rewards).")
+
+
+class REINFORCE(ObjectivePlugin):
+    """REINFORCE with a baseline (Williams 1992; "Back to Basics", Ahmadian et al. 2024, arXiv 2402.14740).
+
+    ``L = -(R - b) * sum_t log pi(y_t)``: per token ``-A * log pi``, no ratio and no clipping. Baseline b: the group
+    mean of the G samples of the prompt (TRL's advantage with ``scale_rewards: none``). Aggregation: the per-sequence
+    *sum* over tokens, i.e. ``args.loss_type: dr_grpo`` (sum / (B * max_completion_length), the REINFORCE sum up to the
+    constant 1/L). The estimator is on-policy only: ``args.num_iterations > 1`` is refused at validation (use a ratio
+    objective for reused batches).
+    """
+
+    name = "reinforce"
+    Params = REINFORCEParams
+    trl_args = {"loss_type": "dr_grpo"}
+
+    def extra_trl_args(self):
+        return {"scale_rewards": self.params.scale_rewards}
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        if stage.args.get("num_iterations", 1) > 1:
+            return [f"args.num_iterations: plugin 'reinforce' is on-policy (no ratio); it cannot reuse a batch "
+                    f"{stage.args['num_iterations']} times"]
+        return None
+
+    @hookimpl
+    def trl_ext_policy_loss(self, inputs):
+        return math.reinforce_objective(inputs.per_token_logps, inputs.advantages)

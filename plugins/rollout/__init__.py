@@ -1,0 +1,12 @@
+"""Rollout-side plugins of the losses/corrections work: ``rollout_logprobs`` (sampling log-probs without vLLM)."""
+
+from trl_ext import hookimpl
+from trl_ext_plugins.rollout.rollout_logprobs import RolloutLogprobs
+
+PLUGINS = (RolloutLogprobs,)
+
+
+@hookimpl
+def trl_ext_register_plugins(register):
+    for plugin in PLUGINS:
+        register(plugin)

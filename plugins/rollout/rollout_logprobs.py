@@ -1,0 +1,122 @@
+"""``rollout_logprobs``: record per-token sampling log-probs on the transformers generation path (no vLLM needed)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class RolloutLogprobsParams(PluginParams):
+    dtype: Literal["policy", "bfloat16", "float16", "float32"] = Field(
+        "policy", description="'policy': sample with the policy itself; otherwise sample with a copy of the policy cast "
+                              "to this dtype (re-synced after every optimizer step), creating a real train/inference "
+                              "mismatch, e.g. bfloat16 on CPU.")
+
+
+def sampled_token_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probs ``(B, T)`` of ``tokens`` under the processed scores transformers sampled from (one ``(B, V)`` tensor
+    per step: logits after temperature, top-k, top-p, min-p and any other processor), one step at a time."""
+    return torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, tokens[:, t:t + 1]).squeeze(-1)
+                        for t, step in enumerate(scores)], dim=1)
+
+
+class RolloutLogprobs(Plugin):
+    """Sampling log-probs without vLLM (provides the ``sampling_logprobs`` need).
+
+    Replaces TRL's transformers generation for one call (``_generate_single_turn``, text-only path) by the same
+    ``model.generate(..., generation_config=trainer.generation_config)`` with ``output_scores=True``: the scores are
+    the processed logits each token was sampled from (temperature, top-k, top-p, min-p applied by transformers), so the
+    recorded log-prob is ``log softmax(processed logits)[sampled token]`` of the very step that sampled it, like vLLM's
+    ``processed_logprobs``. TRL then puts them in the batch as ``sampling_per_token_logps`` for the corrections
+    (tis, mis, icepop, rollout_ratio, m2po). Cost: transformers keeps the per-step scores, O(T x B x V) floats on the
+    generation device for the call. With ``dtype`` set, generation runs on a copy of the policy in that precision,
+    re-synced from the policy whenever the optimizer step changes (as TRL syncs vLLM weights). Refused with vLLM (which
+    records them itself), continuous batching, tools or a multimodal processor.
+    """
+
+    name = "rollout_logprobs"
+    family = "rollout"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.GENERATION})
+    provides = frozenset({Need.SAMPLING_LOGPROBS})
+    Params = RolloutLogprobsParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self._copy = None
+        self._copy_step = None
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        errors = [f"args.{key}: plugin {self.name!r} records log-probs on the transformers generation path; "
+                  f"remove it when `{key}` is set"
+                  for key in ("use_vllm", "use_transformers_continuous_batching") if stage.args.get(key)]
+        return errors or None
+
+    @hookimpl
+    def trl_ext_generate(self, trainer, prompts, generate):
+        if trainer.use_vllm or trainer.use_transformers_continuous_batching or trainer.tools:
+            raise RuntimeError(f"plugin {self.name!r} supports only plain transformers generation without tools")
+        # TRL's _generate calls self._generate_single_turn; shadow it on the instance for this one call only.
+        trainer._generate_single_turn = lambda prompt_ids, images, multimodal_fields, num_generations, \
+            has_tool_images=False: self._generate_single_turn(trainer, prompt_ids, images, multimodal_fields)
+        try:
+            return generate(prompts)
+        finally:
+            del trainer._generate_single_turn
+
+    def _generation_model(self, trainer, unwrapped):
+        dtype = DTYPES.get(self.params.dtype)
+        if dtype is None:
+            return unwrapped
+        step = trainer.state.global_step
+        if self._copy is None:
+            self._copy = copy.deepcopy(unwrapped).to(dtype).eval()
+            self._copy_step = step
+        elif self._copy_step != step:
+            with torch.no_grad():
+                for target, source in zip(self._copy.parameters(), unwrapped.parameters(), strict=True):
+                    target.copy_(source)
+            self._copy_step = step
+        return self._copy
+
+    def _generate_single_turn(self, trainer, prompt_ids, images, multimodal_fields):
+        from trl.models import unwrap_model_for_generation
+        from trl.trainer.utils import pad
+
+        if images is not None or multimodal_fields:
+            raise RuntimeError(f"plugin {self.name!r} does not support multimodal prompts")
+        device = trainer.accelerator.device
+        tensors = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(tensors, padding_value=trainer._tokenizer.pad_token_id, padding_side="left",
+                        pad_to_multiple_of=trainer.pad_to_multiple_of).to(device)
+        attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
+                             pad_to_multiple_of=trainer.pad_to_multiple_of).to(device)
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                generation_kwargs=trainer.generation_kwargs,
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+        ):
+            model = self._generation_model(trainer, unwrapped)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                 generation_config=trainer.generation_config, output_scores=True,
+                                 return_dict_in_generate=True)
+        completion_ids = out.sequences[:, input_ids.size(1):]
+        logprobs = sampled_token_logprobs(out.scores, completion_ids)
+        # Keep tokens up to and including the first EOS, as TRL does.
+        is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids, device=completion_ids.device))
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], is_eos.size(1),
+                                                                                       dtype=torch.long))
+        ids = [row[:n].tolist() for row, n in zip(completion_ids.cpu(), lengths.tolist(), strict=True)]
+        lps = [row[:n].tolist() for row, n in zip(logprobs.cpu(), lengths.tolist(), strict=True)]
+        return ids, lps

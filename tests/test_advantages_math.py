@@ -1,0 +1,161 @@
+"""Advantage estimators as pure functions, against the numbers of ALGORITHMS.md items 27-30, 38, 39."""
+
+import math
+
+import pytest
+import torch
+
+from trl_ext_plugins.advantages import math as adv
+
+D = torch.float64
+
+
+def t(values):
+    return torch.tensor(values, dtype=D)
+
+
+# -- RLOO (item 29) --------------------------------------------------------------------------------------------------
+
+
+def test_rloo_example_and_closed_form():
+    assert torch.allclose(adv.rloo_advantages(t([1, 0, 0, 0]), 4), t([1, -1 / 3, -1 / 3, -1 / 3]), atol=1e-12)
+    rewards = torch.rand(6, 5, dtype=D, generator=torch.Generator().manual_seed(0)).view(-1)
+    grouped = rewards.view(6, 5)
+    closed = 5 / 4 * (grouped - grouped.mean(1, keepdim=True))  # K/(K-1) (R_k - mean)
+    assert torch.allclose(adv.rloo_advantages(rewards, 5), closed.view(-1), atol=1e-12)
+
+
+def test_rloo_sums_to_zero_and_is_shift_invariant():
+    rewards = torch.randn(32, dtype=D, generator=torch.Generator().manual_seed(1))
+    a = adv.rloo_advantages(rewards, 4)
+    assert torch.allclose(a.view(8, 4).sum(1), torch.zeros(8, dtype=D), atol=1e-12)
+    assert torch.allclose(adv.rloo_advantages(rewards + 7.5, 4), a, atol=1e-12)
+
+
+def test_rloo_rejects_one_sample_per_prompt():
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        adv.rloo_advantages(t([1.0, 0.0]), 1)
+
+
+def test_rloo_unscorable_rows_are_left_out():
+    # group 1: third row unscorable -> baseline of the others averages the 2 scorable siblings only
+    a = adv.rloo_advantages(t([1, 0, math.nan, 0, 5, math.nan, math.nan, math.nan]), 4)
+    assert torch.allclose(a, t([1 - 0, 0 - 0.5, 0, 0 - 0.5, 0, 0, 0, 0]), atol=1e-12)
+
+
+# -- REINFORCE with a baseline (item 27) -----------------------------------------------------------------------------
+
+
+def test_reinforce_baselines():
+    rewards = t([1, 0])
+    assert torch.allclose(adv.baseline_advantages(rewards, 0.5), t([0.5, -0.5]))
+    assert torch.allclose(adv.baseline_advantages(rewards, adv.group_mean_baseline(rewards, 2)), t([0.5, -0.5]))
+    rewards = t([1, 0, 0, 0, 1, 1])
+    assert torch.allclose(adv.group_mean_baseline(rewards, 2), t([0.5, 0.5, 0, 0, 1, 1]))
+    assert torch.allclose(adv.batch_mean_baseline(rewards), torch.full((6,), 0.5, dtype=D))
+    # constant shift of rewards and baseline leaves the advantages unchanged
+    assert torch.allclose(adv.baseline_advantages(rewards + 3, adv.group_mean_baseline(rewards + 3, 2)),
+                          adv.baseline_advantages(rewards, adv.group_mean_baseline(rewards, 2)))
+    assert adv.ema_update(0.0, t([1.0, math.nan, 0.0]), 0.9) == pytest.approx(0.05)
+    assert adv.ema_update(0.3, t([math.nan]), 0.9) == 0.3
+
+
+def test_baseline_does_not_bias_the_gradient_monte_carlo():
+    """E_y[b * grad log pi(y)] = 0: a constant baseline changes no expected gradient (small categorical policy)."""
+    logits = torch.tensor([0.3, -0.2, 0.5, 0.0], dtype=D, requires_grad=True)
+    probs = torch.softmax(logits, 0)
+    # exact expectation over the 4 outcomes of b * grad log pi(y)
+    grad = torch.autograd.grad((probs.detach() * 2.5 * torch.log_softmax(logits, 0)).sum(), logits)[0]
+    assert torch.allclose(grad, torch.zeros(4, dtype=D), atol=1e-12)
+    # Monte-Carlo estimate of the same, 20000 samples
+    ys = torch.multinomial(probs.detach(), 20000, replacement=True, generator=torch.Generator().manual_seed(0))
+    mc = torch.autograd.grad((2.5 * torch.log_softmax(logits, 0)[ys]).mean(), logits)[0]
+    assert mc.abs().max() < 0.05
+
+
+# -- ReMax (item 28) -------------------------------------------------------------------------------------------------
+
+
+def test_remax_example():
+    assert torch.equal(adv.remax_advantages(t([1, 0, 1]), t([1, 1, 0]), 1), t([0, -1, 1]))
+    # several samples per prompt share the prompt's greedy baseline; NaN (unscorable) gives 0
+    a = adv.remax_advantages(t([1, 0, math.nan, 1]), t([0.5, math.nan]), 2)
+    assert torch.equal(a, t([0.5, -0.5, 0, 0]))
+    with pytest.raises(ValueError, match="one greedy reward per prompt"):
+        adv.remax_advantages(t([1, 0]), t([1, 1]), 2)
+
+
+# -- token rewards, KL, returns, REINFORCE++ (item 30) ---------------------------------------------------------------
+
+
+def test_kl_estimators():
+    logp, ref = t([math.log(0.5)]), t([math.log(0.25)])
+    d = math.log(2)
+    assert adv.kl_estimate(logp, ref, "k1").item() == pytest.approx(d)
+    assert adv.kl_estimate(logp, ref, "k2").item() == pytest.approx(d * d / 2)
+    assert adv.kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + d)  # e^-d - 1 + d
+    assert adv.kl_estimate(logp, ref, "k3").item() == pytest.approx(0.193147, abs=1e-6)
+
+
+def test_reinforce_pp_returns_example():
+    mask = t([[1, 1, 1, 0]])
+    kl = t([[0.1, 0.2, 0.1, 9.0]])  # the padded position must not count
+    r = adv.token_rewards(t([1.0]), mask, kl, kl_coef=0.01)
+    assert torch.allclose(r, t([[-0.001, -0.002, 0.999, 0.0]]), atol=1e-12)
+    assert torch.allclose(adv.discounted_returns(r, mask, 1.0), t([[0.996, 0.997, 0.999, 0.0]]), atol=1e-12)
+    g = adv.discounted_returns(r, mask, 0.5)
+    assert g[0, 0].item() == pytest.approx(-0.001 + 0.5 * -0.002 + 0.25 * 0.999)
+
+
+def test_global_whitening_mean_zero_std_one_over_valid_tokens():
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(5, 7, dtype=D, generator=gen) * 3 + 2
+    mask = (torch.arange(7) < torch.tensor([[7], [3], [1], [5], [0]])).to(D)
+    w = adv.masked_whiten(values, mask)
+    valid = w[mask.bool()]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert valid.std().item() == pytest.approx(1.0, abs=1e-6)  # unbiased std
+    assert torch.equal(w[~mask.bool()], torch.zeros(int((1 - mask).sum()), dtype=D))
+    expected = (values - values[mask.bool()].mean()) / torch.sqrt(values[mask.bool()].var() + 1e-8)
+    assert torch.allclose(w[mask.bool()], expected[mask.bool()], atol=1e-12)
+
+
+# -- GAE (item 38) and length-adaptive lambda (item 39) --------------------------------------------------------------
+
+
+def test_gae_example():
+    rewards, values, mask = t([[0, 0, 1]]), t([[0.5, 0.6, 0.8]]), t([[1, 1, 1]])
+    a, ret = adv.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    assert torch.allclose(a, t([[0.4705, 0.39, 0.2]]), atol=1e-12)
+    assert torch.allclose(ret, a + values, atol=1e-12)
+    a1, _ = adv.gae(rewards, values, mask, gamma=1.0, lam=1.0)  # lambda 1: return - V
+    assert torch.allclose(a1, t([[1, 1, 1]]) - values, atol=1e-12)
+
+
+def _gae_reference(rewards, values, gamma, lam):
+    """Direct sum A_t = sum_l (gamma lam)^l delta_{t+l} for one unpadded sequence."""
+    n = len(rewards)
+    v = list(values) + [0.0]
+    deltas = [rewards[i] + gamma * v[i + 1] - v[i] for i in range(n)]
+    return [sum((gamma * lam) ** l * deltas[i + l] for l in range(n - i)) for i in range(n)]
+
+
+def test_gae_variable_lengths_and_per_sequence_lambda():
+    gen = torch.Generator().manual_seed(4)
+    rewards = torch.randn(3, 6, dtype=D, generator=gen)
+    values = torch.randn(3, 6, dtype=D, generator=gen)
+    lengths = [6, 2, 4]
+    mask = (torch.arange(6) < torch.tensor(lengths).unsqueeze(1)).to(D)
+    lam = t([0.9, 0.0, 0.5])
+    a, ret = adv.gae(rewards, values, mask, gamma=0.99, lam=lam)
+    for row, n in enumerate(lengths):
+        ref = _gae_reference(rewards[row, :n].tolist(), values[row, :n].tolist(), 0.99, lam[row].item())
+        assert torch.allclose(a[row, :n], t(ref), atol=1e-12)
+        assert torch.equal(a[row, n:], torch.zeros(6 - n, dtype=D))
+        assert torch.equal(ret[row, n:], torch.zeros(6 - n, dtype=D))
+
+
+def test_length_adaptive_lambda():
+    lam = adv.length_adaptive_lambda(torch.tensor([20, 100, 1000, 5]), alpha=0.05)
+    assert torch.allclose(lam, t([0.0, 0.8, 0.98, 0.0]), atol=1e-12)  # alpha*l clamped to >= 1
+

@@ -1,0 +1,135 @@
+"""Formula and gradient tests of the ``corrections`` family (ALGORITHMS.md items 40-43, conventions 5-8).
+
+Fixtures name the three policies (convention 7): ``old`` = pi_old (trainer copy at sampling time), ``rollout`` =
+pi_rollout (engine), ``theta`` = the current policy (requires grad).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from test_losses import D, make_inputs, token_grad
+from trl_ext import Need
+from trl_ext_plugins.corrections import math as cm
+from trl_ext_plugins.corrections.icepop import IcePop
+from trl_ext_plugins.corrections.m2po import M2PO
+from trl_ext_plugins.corrections.mis import MIS
+from trl_ext_plugins.corrections.rollout_ratio import RolloutRatio
+from trl_ext_plugins.corrections.tis import TIS
+from trl_ext_plugins.losses.grpo import GRPO
+
+
+def with_rho(rhos, **kw):
+    """Inputs whose tokens have rho = pi_old / pi_rollout = rhos (log pi_old = log pi_theta = -1)."""
+    old = torch.full((1, len(rhos)), -1.0, dtype=D)
+    rollout = old - torch.log(torch.tensor([rhos], dtype=D))
+    return make_inputs(old.clone(), old=old, rollout=rollout, **kw)
+
+
+def weights_of(plugin, rhos, **kw):
+    return plugin.trl_ext_token_weights(inputs=with_rho(rhos, **kw)).weight
+
+
+def test_tis_and_mis_numbers():
+    assert weights_of(TIS(), [3.0, 0.4, 1.0]).flatten().tolist() == pytest.approx([2.0, 0.4, 1.0])
+    assert weights_of(MIS(), [3.0, 0.4, 1.0]).flatten().tolist() == pytest.approx([0.0, 0.0, 1.0])
+    assert weights_of(TIS(TIS.Params(lower=0.5)), [0.4]).flatten().tolist() == pytest.approx([0.5])
+
+
+def test_sequence_levels():
+    rhos = [1.5, 1.5, 1.2]  # product 2.7, geometric mean 2.7^(1/3)
+    assert weights_of(TIS(TIS.Params(level="sequence")), rhos).flatten().tolist() == pytest.approx([2.0])
+    assert weights_of(MIS(MIS.Params(level="sequence")), rhos).flatten().tolist() == pytest.approx([0.0])
+    geo = MIS(MIS.Params(level="geometric"))
+    assert weights_of(geo, rhos).flatten().tolist() == pytest.approx([2.7 ** (1 / 3)])
+
+
+def test_icepop_band_and_zero_gradient():
+    li = with_rho([1.8, 2.5, 0.4, 1.0, 0.5, 2.0])
+    tw = IcePop().trl_ext_token_weights(inputs=li)
+    assert tw.weight.flatten().tolist() == pytest.approx([1.8, 0.0, 0.0, 1.0, 0.5, 2.0])  # bounds inclusive
+    assert not tw.weight.requires_grad and tw.mask is None  # weight 0, the token stays in the denominator
+    li.per_token_logps.data += torch.tensor([[0.1, 0.1, -0.1, 0.0, 0.0, 0.0]], dtype=D)  # move theta off pi_old
+    loss = GRPO().trl_ext_policy_loss(inputs=li) * tw.weight
+    grad = token_grad(loss, li)
+    assert grad[0, 1] == 0 and grad[0, 2] == 0 and grad[0, 0] != 0
+    # rho = 1 everywhere: plain GRPO
+    assert weights_of(IcePop(), [1.0, 1.0]).tolist() == [[1.0, 1.0]]
+    assert weights_of(IcePop(IcePop.Params(beta=5.0, lower=0.5)), [4.0, 0.45]).flatten().tolist() == pytest.approx([4.0, 0.0])
+
+
+def test_weights_are_detached_even_from_a_differentiable_old_policy():
+    li = with_rho([1.5, 3.0])
+    li.old_per_token_logps = li.old_per_token_logps.clone().requires_grad_(True)
+    for plugin in (TIS(), MIS(), IcePop()):
+        assert not plugin.trl_ext_token_weights(inputs=li).weight.requires_grad
+
+
+def test_mis_drop_from_denominator_is_a_mask():
+    tw = MIS(MIS.Params(drop_from_denominator=True)).trl_ext_token_weights(inputs=with_rho([3.0, 1.2]))
+    assert tw.mask.tolist() == [[False, True]] and tw.weight.flatten().tolist() == pytest.approx([1.0, 1.2])
+
+
+def test_mismatch_statistics_logged():
+    li = with_rho([3.0, 0.4, 1.0])
+    MIS().trl_ext_token_weights(inputs=li)
+    m = li.metrics
+    assert m["mis/logp_diff/max"] == pytest.approx(math.log(3.0))
+    assert m["mis/logp_diff/mean"] == pytest.approx((math.log(3.0) + abs(math.log(0.4))) / 3)
+    assert m["mis/changed_fraction"] == pytest.approx(2 / 3)
+    assert (m["mis/weight/min"], m["mis/weight/max"], m["mis/weight/mean"]) == pytest.approx((0.0, 1.0, 1 / 3))
+
+
+def test_missing_sampling_logprobs_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="rollout_logprobs"):
+        TIS().trl_ext_token_weights(inputs=make_inputs([[0.0]]))
+
+
+def test_corrections_declare_their_needs():
+    for plugin in (TIS, MIS, IcePop):
+        assert {Need.SAMPLING_LOGPROBS, Need.OLD_POLICY_LOGPROBS} <= plugin.needs
+    assert RolloutRatio.needs == {Need.SAMPLING_LOGPROBS} and not M2PO.needs
+
+
+# -- rollout_ratio (GLM-5 direct double-sided IS) ---------------------------------------------------------------------
+
+
+def test_rollout_ratio_band_and_cispo_style_gradient():
+    theta = torch.full((1, 3), -1.0, dtype=D)
+    rollout = theta - torch.log(torch.tensor([[1.1, 1.3, 0.75]], dtype=D))  # r = pi_theta / pi_rollout
+    # pi_old is deliberately different: the objective must not use it
+    li = make_inputs(theta, old=torch.full((1, 3), -7.0), rollout=rollout, advantages=[[2.0]])
+    loss = RolloutRatio().trl_ext_policy_loss(inputs=li)
+    assert token_grad(loss, li).flatten().tolist() == pytest.approx([-1.1 * 2.0, 0.0, 0.0])  # -sg(f(r)) * A
+    assert loss.flatten().tolist() == pytest.approx([-1.1 * 2.0 * -1.0, 0.0, 0.0])
+
+
+def test_rollout_ratio_refuses_old_policy_corrections_naming_both():
+    messages = RolloutRatio().trl_ext_validate_stage(stage=None, plugins=[RolloutRatio(), IcePop(), M2PO()])
+    assert len(messages) == 1 and "'rollout_ratio'" in messages[0] and "'icepop'" in messages[0]
+
+
+# -- M2PO -------------------------------------------------------------------------------------------------------------
+
+
+def test_m2po_masks_largest_second_moment_first():
+    log_r = torch.tensor([[0.5, 0.1, -0.1, 0.05]], dtype=D)
+    mask = torch.ones(1, 4, dtype=D)
+    assert ((log_r ** 2).mean()).item() == pytest.approx(0.068125)
+    keep = cm.m2_keep_mask(log_r, mask, 0.04)
+    assert keep.tolist() == [[False, True, True, True]]
+    assert (log_r[keep] ** 2).mean().item() == pytest.approx(0.0075)
+    assert cm.m2_keep_mask(log_r * 0.1, mask, 0.04).all()  # all small: nothing masked
+    padded = cm.m2_keep_mask(torch.tensor([[0.5, 9.0]], dtype=D), torch.tensor([[1.0, 0.0]], dtype=D), 0.04)
+    assert padded.tolist() == [[False, False]]  # padding never kept, never counted
+
+
+def test_m2po_plugin_uses_rollout_logprobs_and_masks():
+    theta = torch.tensor([[0.5, 0.1, -0.1, 0.05]], dtype=D)
+    li = make_inputs(theta, old=theta, rollout=torch.zeros(1, 4))
+    tw = M2PO().trl_ext_token_weights(inputs=li)
+    assert tw.weight is None and tw.mask.tolist() == [[False, True, True, True]]
+    assert li.metrics["m2po/changed_fraction"] == pytest.approx(0.25)

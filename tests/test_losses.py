@@ -1,0 +1,285 @@
+"""Formula, gradient and numerics tests of the ``losses`` family (ALGORITHMS.md items 27, 31-37, 48, convention 2).
+
+Numbers are the ones ALGORITHMS.md lists, computed independently here in float64. Three policies are named as in
+convention 7: ``theta`` (current, requires grad), ``old`` (trainer copy at sampling time), ``rollout`` (engine).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trl_ext.batches import LossInputs
+from trl_ext_plugins.losses import aggregation as agg
+from trl_ext_plugins.losses import math as lm
+from trl_ext_plugins.losses.ce_gppo import CEGPPO
+from trl_ext_plugins.losses.cispo import CISPO
+from trl_ext_plugins.losses.clip_higher import ClipHigher
+from trl_ext_plugins.losses.dapo import DAPO
+from trl_ext_plugins.losses.dr_grpo import DrGRPO
+from trl_ext_plugins.losses.gmpo import GMPO
+from trl_ext_plugins.losses.grpo import GRPO
+from trl_ext_plugins.losses.gspo import GSPO
+from trl_ext_plugins.losses.reinforce import REINFORCE
+from trl_ext_plugins.losses.sapo import SAPO
+
+D = torch.float64
+
+
+def make_inputs(theta, old=None, advantages=None, mask=None, rollout=None, eps_low=0.2, eps_high=0.2, **extra):
+    """A LossInputs for one micro-batch (float64, no gradient accumulation, eval-style scaling)."""
+    if not (isinstance(theta, torch.Tensor) and theta.requires_grad):  # else: part of a caller's graph, kept as is
+        theta = torch.as_tensor(theta, dtype=D)
+        theta = theta if theta.dim() == 2 else theta.unsqueeze(0)
+        theta = theta.clone().requires_grad_(True)
+    old = theta.detach().clone() if old is None else torch.as_tensor(old, dtype=D).reshape(theta.shape)
+    adv = torch.ones(theta.size(0), 1, dtype=D) if advantages is None else torch.as_tensor(advantages, dtype=D)
+    adv = adv.reshape(theta.size(0), -1)
+    mask = torch.ones_like(theta.detach()) if mask is None else torch.as_tensor(mask, dtype=D).reshape(theta.shape)
+    return LossInputs(
+        num_items_in_batch=mask.sum(), grad_accum_steps=1, steps_per_generation=1, num_processes=1, training=False,
+        loss_type="grpo", max_completion_length=theta.size(1), per_token_logps=theta, old_per_token_logps=old,
+        advantages=adv, mask=mask,
+        sampling_per_token_logps=None if rollout is None else torch.as_tensor(rollout, dtype=D).reshape(theta.shape),
+        ref_per_token_logps=None, entropies=None, epsilon_low=eps_low, epsilon_high=eps_high, beta=0.0,
+        extra={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, **extra},
+    )
+
+
+def token_grad(loss_tokens, li):
+    """d(sum of per-token losses)/d log pi_theta."""
+    (grad,) = torch.autograd.grad(loss_tokens.sum(), li.per_token_logps, allow_unused=True)
+    return torch.zeros_like(li.per_token_logps) if grad is None else grad
+
+
+def at_ratio(r, advantage=1.0, **kw):
+    """Inputs with one token whose ratio pi_theta/pi_old is r (log pi_old = 0)."""
+    return make_inputs([[math.log(r)]], old=[[0.0]], advantages=[[advantage]], **kw)
+
+
+# -- GRPO / DAPO / clip-higher ----------------------------------------------------------------------------------------
+
+
+def test_grpo_clip_value_and_zero_gradient_when_clipped():
+    li = at_ratio(1.3)
+    loss = GRPO().trl_ext_policy_loss(inputs=li)
+    assert loss.item() == pytest.approx(-1.2, abs=1e-12)
+    assert token_grad(loss, li).item() == 0.0
+    li = at_ratio(1.1)
+    loss = GRPO().trl_ext_policy_loss(inputs=li)
+    assert loss.item() == pytest.approx(-1.1) and token_grad(loss, li).item() == pytest.approx(-1.1)
+
+
+def test_dapo_clip_higher_numbers():
+    li = at_ratio(1.25, eps_high=0.28)  # A>0, 1.25 < 1.28: not clipped, gradient -r*A
+    loss = DAPO().trl_ext_policy_loss(inputs=li)
+    assert loss.item() == pytest.approx(-1.25) and token_grad(loss, li).item() == pytest.approx(-1.25)
+    li = at_ratio(0.75, advantage=-1.0, eps_high=0.28)  # A<0, clipped at 0.8
+    loss = DAPO().trl_ext_policy_loss(inputs=li)
+    assert loss.item() == pytest.approx(0.8) and token_grad(loss, li).item() == 0.0
+    li = at_ratio(1.25, eps_high=0.2)  # plain GRPO clips the same token
+    assert token_grad(ClipHigher().trl_ext_policy_loss(inputs=li), li).item() == 0.0
+
+
+def test_presets_pin_trl_fields():
+    assert DAPO().trl_ext_configure_args(trainer="grpo", args={}) == {
+        "epsilon_high": 0.28, "loss_type": "dapo", "mask_truncated_completions": True, "beta": 0.0}
+    assert DAPO(DAPO.Params(token_level_loss=False, overlong_filtering=False, no_kl=False)).trl_ext_configure_args(
+        trainer="grpo", args={}) == {"epsilon_high": 0.28}
+    assert DrGRPO().trl_ext_configure_args(trainer="grpo", args={}) == {"loss_type": "dr_grpo", "scale_rewards": "none"}
+    assert GSPO().trl_ext_configure_args(trainer="grpo", args={})["importance_sampling_level"] == "sequence"
+    assert ClipHigher().trl_ext_configure_args(trainer="grpo", args={}) == {"epsilon_high": 0.28}
+
+
+# -- aggregation (convention 2) ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, constant, expected", [
+    ("token-mean", None, 0.25), ("batch-token-mean", None, 0.25), ("seq-mean-token-mean", None, 0.5),
+    ("seq-mean-token-sum-norm", 4, 0.125),
+])
+def test_aggregation_modes(mode, constant, expected):
+    # sequences with per-token losses [1] and [0, 0, 0]
+    loss = torch.tensor([[1.0, 0, 0], [0, 0, 0]], dtype=D, requires_grad=True)
+    mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]], dtype=D)
+    li = make_inputs(torch.zeros(2, 3), mask=mask)
+    plugin = agg.Aggregation(agg.Aggregation.Params(mode=mode, constant=constant))
+    value = plugin.trl_ext_aggregate_loss(per_token_loss=loss, mask=mask, inputs=li)
+    assert value.item() == pytest.approx(expected)
+    (grad,) = torch.autograd.grad(value, loss)
+    assert torch.all(grad[mask == 0] == 0)  # masked tokens get exactly zero gradient
+
+
+def test_token_mean_is_global_and_accumulation_aware():
+    # TRL dapo normaliser: num_items_in_batch (global generation batch) / processes * GA / steps_per_generation
+    loss = torch.ones(2, 3, dtype=D)
+    mask = torch.ones(2, 3, dtype=D)
+    li = make_inputs(torch.zeros(2, 3))
+    li.training, li.grad_accum_steps, li.steps_per_generation, li.num_items_in_batch = True, 4, 4, torch.tensor(24.0)
+    value = agg.Aggregation().trl_ext_aggregate_loss(per_token_loss=loss, mask=mask, inputs=li)
+    assert value.item() == pytest.approx(6 / 24)  # 4 micro-batches of 6 tokens sum to 1
+
+
+# -- GSPO -------------------------------------------------------------------------------------------------------------
+
+
+def test_gspo_sequence_ratio_numbers_and_clipping():
+    li = make_inputs([[0.1, -0.1, 0.3]], old=[[0.0, 0.0, 0.0]], eps_low=3e-4, eps_high=4e-4)
+    s = lm.gspo_sequence_ratio(li.log_ratio, li.mask)
+    assert s.item() == pytest.approx(1.105171, abs=1e-6)
+    loss = GSPO().trl_ext_policy_loss(inputs=li)
+    assert loss.shape == (1, 1) and loss.item() == pytest.approx(-(1 + 4e-4))
+    assert torch.all(token_grad(loss, li) == 0)  # clipped for A>0 -> zero gradient for that sequence
+    doubled = make_inputs([[0.1, 0.1, -0.1, -0.1, 0.3, 0.3]], old=torch.zeros(1, 6))
+    assert lm.gspo_sequence_ratio(doubled.log_ratio, doubled.mask).item() == pytest.approx(s.item())
+
+
+def test_gspo_token_form_same_value_and_gradient_as_sequence_form():
+    theta = [[-1.0, -2.0, -0.5, -3.0]]
+    old = [[-1.00005, -1.99998, -0.50001, -3.0]]
+    mask = [[1.0, 1, 1, 0]]
+    seq_li = make_inputs(theta, old=old, mask=mask, eps_low=3e-4, eps_high=4e-4)
+    tok_li = make_inputs(theta, old=old, mask=mask, eps_low=3e-4, eps_high=4e-4)
+    seq = GSPO().trl_ext_policy_loss(inputs=seq_li)
+    tok = GSPO(GSPO.Params(form="token")).trl_ext_policy_loss(inputs=tok_li)
+    assert torch.allclose(tok, seq.expand_as(tok))
+    a = agg.Aggregation(agg.Aggregation.Params(mode="seq-mean-token-mean"))
+    g_seq = torch.autograd.grad(a.trl_ext_aggregate_loss(per_token_loss=seq, mask=seq_li.mask, inputs=seq_li),
+                                seq_li.per_token_logps)[0]
+    g_tok = torch.autograd.grad(a.trl_ext_aggregate_loss(per_token_loss=tok, mask=tok_li.mask, inputs=tok_li),
+                                tok_li.per_token_logps)[0]
+    assert torch.allclose(g_seq, g_tok, atol=1e-12) and g_seq[0, 3] == 0 and g_seq[0, 0] != 0
+
+
+# -- GMPO -------------------------------------------------------------------------------------------------------------
+
+
+def test_gmpo_geometric_mean_and_log_space_clip():
+    li = make_inputs([[math.log(1.2), math.log(0.8)]], old=[[0.0, 0.0]], eps_low=0.4, eps_high=0.4)
+    assert GMPO().trl_ext_policy_loss(inputs=li).item() == pytest.approx(-0.979796, abs=1e-6)
+    li = make_inputs([[math.log(10.0), 0.0]], old=[[0.0, 0.0]], eps_low=0.4, eps_high=0.4)
+    loss = GMPO().trl_ext_policy_loss(inputs=li)
+    assert loss.item() == pytest.approx(-math.exp(0.4 / 2))  # the outlier contributes at most e^0.4
+    grad = token_grad(loss, li)
+    assert grad[0, 0] == 0 and grad[0, 1] != 0  # clipped token: no gradient
+    li = make_inputs([[math.log(10.0), 0.0]], old=[[0.0, 0.0]], advantages=[[-1.0]], eps_low=0.4, eps_high=0.4)
+    assert GMPO().trl_ext_policy_loss(inputs=li).item() == pytest.approx(math.exp(math.log(10.0) / 2))  # A<0: no clip
+
+
+# -- SAPO -------------------------------------------------------------------------------------------------------------
+
+
+def sapo_gate_derivative(r, tau, advantage=1.0):
+    li = at_ratio(r, advantage=advantage)
+    plugin = SAPO(SAPO.Params(tau_pos=tau, tau_neg=tau))
+    ratio = torch.tensor([[r]], dtype=D, requires_grad=True)
+    from trl_ext import ops
+    f = -ops.sapo_objective(ratio, li.advantages, tau, tau) / advantage
+    (df,) = torch.autograd.grad(f.sum(), ratio)
+    return df.item(), plugin
+
+
+@pytest.mark.parametrize("r, tau, expected", [(1.0, 1.0, 1.0), (1.0, 1.05, 1.0), (1.0, 3.0, 1.0), (1.5, 1.0, 0.940015),
+                                              (2.0, 1.0, 0.786448), (1.5, 1.05, 0.934140), (0.5, 1.05, 0.934140)])
+def test_sapo_gate_derivative(r, tau, expected):
+    assert sapo_gate_derivative(r, tau)[0] == pytest.approx(expected, abs=1e-6)
+
+
+def test_sapo_value_and_temperature_by_sign():
+    li = at_ratio(1.0)
+    assert SAPO().trl_ext_policy_loss(inputs=li).item() == pytest.approx(-2.0)  # f(1) = 2/tau_pos
+    li = at_ratio(1.0, advantage=-1.0)
+    assert SAPO().trl_ext_policy_loss(inputs=li).item() == pytest.approx(2 / 1.05)  # tau_neg for A<0
+
+
+# -- CISPO ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("r, coefficient", [(1.5, 1.28), (0.9, 0.9)])
+def test_cispo_gradient_coefficient(r, coefficient):
+    li = at_ratio(r)
+    loss = CISPO(CISPO.Params(epsilon_high=0.28)).trl_ext_policy_loss(inputs=li)
+    assert token_grad(loss, li).item() == pytest.approx(-coefficient)  # -w * A * grad log pi, PPO would give 0
+
+
+def test_cispo_weight_is_detached():
+    ratio = torch.tensor([[1.5]], dtype=D, requires_grad=True)
+    logp = torch.tensor([[-1.0]], dtype=D)
+    from trl_ext import ops
+    loss = ops.cispo_objective(ratio, logp, torch.ones(1, 1, dtype=D), 1.28)
+    assert not loss.requires_grad  # no gradient can reach the ratio path
+
+
+# -- CE-GPPO ----------------------------------------------------------------------------------------------------------
+
+
+def test_ce_gppo_bounded_gradients_of_clipped_tokens():
+    li = at_ratio(0.5, advantage=-1.0)  # A<0, r < 1-eps_low
+    loss = CEGPPO().trl_ext_policy_loss(inputs=li)
+    assert token_grad(loss, li).item() == pytest.approx(0.6)  # |.|=0.75*0.8, descent pushes log pi down
+    assert loss.item() == pytest.approx(0.75 * 0.8)  # forward = clipped value * beta1
+    li = at_ratio(1.5, advantage=1.0, eps_high=0.28)
+    loss = CEGPPO().trl_ext_policy_loss(inputs=li)
+    assert token_grad(loss, li).item() == pytest.approx(-1.28)  # pushes log pi up
+    for r, a in [(1.1, 1.0), (0.9, -1.0)]:  # inside the band: equal to PPO, d/dlogpi = -r*A
+        li = at_ratio(r, advantage=a, eps_high=0.28)
+        assert token_grad(CEGPPO().trl_ext_policy_loss(inputs=li), li).item() == pytest.approx(-r * a)
+    li = at_ratio(4.0, advantage=-1.0, eps_high=0.28)  # dual clip c=3
+    loss = CEGPPO().trl_ext_policy_loss(inputs=li)
+    assert loss.item() == pytest.approx(3.0) and token_grad(loss, li).item() == 0.0
+
+
+# -- REINFORCE --------------------------------------------------------------------------------------------------------
+
+
+def test_reinforce_gradient_is_minus_advantage():
+    rewards = torch.tensor([1.0, 0.0], dtype=D)
+    advantages = rewards - 0.5  # baseline b = 0.5
+    assert advantages.tolist() == [0.5, -0.5]
+    li = make_inputs([[-0.7, -1.2], [-2.0, -0.1]], advantages=advantages.unsqueeze(1))
+    grad = token_grad(REINFORCE().trl_ext_policy_loss(inputs=li), li)
+    assert torch.equal(grad, -advantages.unsqueeze(1).expand(2, 2))
+    shifted = make_inputs([[-0.7, -1.2], [-2.0, -0.1]], advantages=((rewards + 3) - (0.5 + 3)).unsqueeze(1))
+    assert torch.equal(token_grad(REINFORCE().trl_ext_policy_loss(inputs=shifted), shifted), grad)
+
+
+def test_reinforce_baseline_leaves_expected_gradient_unchanged():
+    # Exact expectation over a small categorical policy: E_y[(R(y) - b) grad log pi(y)] does not depend on b.
+    logits = torch.tensor([0.3, -1.0, 2.0, 0.1], dtype=D, requires_grad=True)
+    reward = torch.tensor([1.0, 0.0, 0.5, 0.0], dtype=D)
+
+    def expected_gradient(baseline):
+        probs = torch.softmax(logits, -1).detach()
+        total = torch.zeros(4, dtype=D)
+        for y in range(4):
+            li = make_inputs(torch.log_softmax(logits, -1)[y].view(1, 1), advantages=[[reward[y] - baseline]])
+            loss = REINFORCE().trl_ext_policy_loss(inputs=li)
+            total += probs[y] * torch.autograd.grad(loss.sum(), logits)[0]
+        return total
+
+    assert torch.allclose(expected_gradient(0.7), expected_gradient(0.0), atol=1e-12)
+    assert not torch.allclose(expected_gradient(0.0), torch.zeros(4, dtype=D))
+
+
+def test_reinforce_refuses_reused_batches():
+    from types import SimpleNamespace
+    assert REINFORCE().trl_ext_validate_stage(stage=SimpleNamespace(args={"num_iterations": 2}), plugins=[])
+    assert REINFORCE().trl_ext_validate_stage(stage=SimpleNamespace(args={}), plugins=[]) is None
+
+
+# -- numerics: extreme log-probs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plugin", [GRPO(), DrGRPO(), DAPO(), GSPO(), GSPO(GSPO.Params(form="token")), GMPO(), SAPO(),
+                                    CISPO(), CEGPPO(), ClipHigher(), REINFORCE()], ids=lambda p: p.name)
+def test_extreme_log_probs_stay_finite(plugin):
+    li = make_inputs([[-1e4, -30.0, 0.0, -1e-9], [-50.0, -1e3, -1e4, 0.0]],
+                     old=[[0.0, -1e4, -1e4, -1e3], [-1e-6, 0.0, -1e4, -40.0]],
+                     advantages=[[1.5], [-0.5]], mask=[[1, 1, 1, 1], [1, 1, 0, 1]])
+    loss = plugin.trl_ext_policy_loss(inputs=li)
+    value = agg.Aggregation().trl_ext_aggregate_loss(per_token_loss=loss, mask=li.mask, inputs=li)
+    (grad,) = torch.autograd.grad(value, li.per_token_logps, allow_unused=True)
+    assert torch.isfinite(value)
+    assert grad is None or (torch.isfinite(grad).all() and grad[1, 2] == 0)  # masked token: exactly zero gradient

@@ -1,0 +1,196 @@
+"""Parity of the plugin loss path with TRL 1.16's own ``GRPOTrainer._compute_loss`` (and experimental GMPO).
+
+Both paths run on the same float64 inputs through a minimal trainer-like object (TRL's method is called unbound on it,
+so TRL's real code computes the reference); loss and gradient w.r.t. the current log-probs must agree to 1e-6 (they
+agree to ~1e-15). The plugin path is ``ExtGRPOTrainer._plugin_loss`` with the TRL fields each plugin's
+``trl_ext_configure_args`` sets, so the args a recipe would resolve to are the ones compared.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from trl_ext.host import PluginHost
+from trl_ext.trainers.grpo import ExtGRPOTrainer
+from trl_ext_plugins.corrections.icepop import IcePop
+from trl_ext_plugins.corrections.mis import MIS
+from trl_ext_plugins.corrections.tis import TIS
+from trl_ext_plugins.losses.aggregation import Aggregation
+from trl_ext_plugins.losses.cispo import CISPO
+from trl_ext_plugins.losses.dapo import DAPO
+from trl_ext_plugins.losses.dr_grpo import DrGRPO
+from trl_ext_plugins.losses.gmpo import GMPO
+from trl_ext_plugins.losses.grpo import GRPO
+from trl_ext_plugins.losses.gspo import GSPO
+from trl_ext_plugins.losses.sapo import SAPO
+
+D = torch.float64
+B, T = 4, 6
+
+
+class OneProcess:
+    num_processes = 1
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    theta = -torch.rand(B, T, generator=g, dtype=D) * 3 - 0.05
+    old = theta + torch.randn(B, T, generator=g, dtype=D) * 0.3  # off-policy enough to clip
+    rollout = old + torch.randn(B, T, generator=g, dtype=D) * 0.6  # a large train/inference mismatch
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+        "advantages": torch.tensor([1.2, -0.7, 0.4, -1.5], dtype=D),
+        "old_per_token_logps": old, "num_items_in_batch": mask.sum() * 2,  # two micro-batches per generation batch
+    }
+    return theta, rollout, inputs
+
+
+def trainer_like(args, theta):
+    """The attributes TRL's _compute_loss and trl-ext's _plugin_loss read, with TRL's defaults overridden by ``args``."""
+    leaf = theta.clone().requires_grad_(True)
+    a = {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "importance_sampling_level": "token",
+         "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "beta": 0.0, **args}
+    t = types.SimpleNamespace(
+        loss_type=a["loss_type"], epsilon_low=a["epsilon"], epsilon_high=a["epsilon_high"] or a["epsilon"],
+        importance_sampling_level=a["importance_sampling_level"], beta=a["beta"], top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None, use_vllm=a.get("use_vllm", False),
+        vllm_importance_sampling_correction=a.get("use_vllm", False), aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=2, max_completion_length=8,
+        accelerator=OneProcess(), model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)},
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=2,
+                                   sapo_temperature_pos=a["sapo_temperature_pos"],
+                                   sapo_temperature_neg=a["sapo_temperature_neg"]),
+        _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, torch.zeros_like(leaf), None),
+    )
+    for name in ("_plugin_loss", "_trl_ratio", "_masked_global_mean", "_log_plugin_metrics"):
+        setattr(t, name, types.MethodType(getattr(ExtGRPOTrainer, name), t))
+    return t, leaf
+
+
+def plugin_args(plugins):
+    args = {}
+    for p in plugins:
+        configure = getattr(p, "trl_ext_configure_args", None)
+        args.update((configure and configure(trainer="grpo", args={})) or {})
+    return args
+
+
+def loss_and_grad(fn, t, leaf, inputs):
+    loss = fn(t, None, inputs)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), grad
+
+
+def assert_parity(plugins, trl_args, inputs_fn=None, trl_compute=GRPOTrainer._compute_loss):
+    theta, rollout, inputs = batch()
+    if inputs_fn is not None:
+        inputs_fn(inputs, rollout)
+    ours, leaf = trainer_like(plugin_args(plugins), theta)
+    ours.plugin_host = PluginHost(plugins)
+    theirs, leaf2 = trainer_like(trl_args, theta)
+    l1, g1 = loss_and_grad(lambda t, m, i: t._plugin_loss(m, i), ours, leaf, dict(inputs))
+    l2, g2 = loss_and_grad(trl_compute, theirs, leaf2, dict(inputs))
+    assert torch.allclose(l1, l2, atol=1e-6, rtol=0), (l1, l2)
+    assert torch.allclose(g1, g2, atol=1e-6, rtol=0)
+    assert g1.abs().sum() > 0
+    return l1, g1
+
+
+@pytest.mark.parametrize("plugins, trl_args", [
+    ([GRPO()], {"loss_type": "grpo"}),
+    ([DrGRPO()], {"loss_type": "dr_grpo"}),
+    ([DAPO()], {"loss_type": "dapo", "epsilon_high": 0.28}),
+    ([GRPO(), Aggregation(Aggregation.Params(mode="batch-token-mean"))], {"loss_type": "bnpo"}),
+    ([GRPO(), Aggregation(Aggregation.Params(mode="token-mean"))], {"loss_type": "dapo"}),
+    ([GRPO(), Aggregation(Aggregation.Params(mode="seq-mean-token-sum-norm"))], {"loss_type": "dr_grpo"}),
+    ([GSPO()], {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4}),
+    ([GSPO(GSPO.Params(epsilon_low=0.05, epsilon_high=0.05))],
+     {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.05}),
+    ([SAPO()], {"loss_type": "sapo"}),
+    ([SAPO(SAPO.Params(tau_pos=2.0, tau_neg=0.5))],
+     {"loss_type": "sapo", "sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5}),
+    ([CISPO()], {"loss_type": "cispo", "epsilon_high": 5.0}),
+    ([CISPO(CISPO.Params(epsilon_high=0.1))], {"loss_type": "cispo", "epsilon_high": 1.1}),
+], ids=["grpo", "dr_grpo", "dapo", "bnpo", "token-mean", "sum-norm", "gspo", "gspo-wide", "sapo", "sapo-tau", "cispo",
+        "cispo-tight"])
+def test_objective_parity_with_trl(plugins, trl_args):
+    assert_parity(plugins, trl_args)
+
+
+def test_gspo_token_form_matches_trl_sequence_gradient():
+    # Same value and same gradient as TRL's sequence-level GSPO (advantages are per sequence).
+    assert_parity([GSPO(GSPO.Params(form="token", epsilon_low=0.05, epsilon_high=0.05)), Aggregation(
+        Aggregation.Params(mode="seq-mean-token-mean"))],
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.05})
+
+
+def test_gmpo_parity_with_trl_experimental_gmpo():
+    from trl.experimental.gmpo import GMPOTrainer
+
+    assert_parity([GMPO()], {"loss_type": "grpo", "epsilon": 0.4, "epsilon_high": 0.4},
+                  trl_compute=GMPOTrainer._compute_loss)
+
+
+def trl_importance_ratio(mode, clip_min, clip_max):
+    """Feed TRL's _compute_loss the IS factor it would build for ``mode`` (see test_corrections_trainer.py for the
+    check against TRL's own computation inside _generate_and_score_completions)."""
+    def add(inputs, rollout):
+        mask = inputs["completion_mask"]
+        diff = (inputs["old_per_token_logps"] - rollout) * mask
+        if mode.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        ratio = torch.exp(diff)
+        if mode.endswith("truncate"):
+            ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+        else:
+            ratio = ratio.masked_fill((ratio < (clip_min or 0)) | (ratio > clip_max), 0.0)
+        inputs["importance_sampling_ratio"] = ratio
+    return add
+
+
+@pytest.mark.parametrize("correction, objective, trl_args, mode, lo, hi", [
+    (TIS(), GRPO(), {"loss_type": "grpo"}, "token_truncate", None, 2.0),
+    (TIS(TIS.Params(level="sequence", upper=3.0)), DAPO(), {"loss_type": "dapo", "epsilon_high": 0.28},
+     "sequence_truncate", None, 3.0),
+    (MIS(), GRPO(), {"loss_type": "grpo"}, "token_mask", 0.5, 2.0),
+    (MIS(MIS.Params(level="sequence", lower=None, upper=3.0)), GRPO(), {"loss_type": "grpo"}, "sequence_mask", None,
+     3.0),
+    (IcePop(), GRPO(), {"loss_type": "grpo"}, "token_mask", 0.5, 2.0),
+    (IcePop(), CISPO(), {"loss_type": "cispo", "epsilon_high": 5.0}, "token_mask", 0.5, 2.0),
+], ids=["tis", "tis-seq-dapo", "mis", "mis-seq", "icepop", "icepop-cispo"])
+def test_correction_parity_with_trl_vllm_modes(correction, objective, trl_args, mode, lo, hi):
+    theta, rollout, _ = batch()
+
+    def ours_inputs(inputs, rollout_):
+        inputs["sampling_per_token_logps"] = rollout_
+
+    # our path: plugin weights from sampling log-probs; TRL's path: its IS factor multiplied in _compute_loss
+    theta_, rollout_, inputs = batch()
+    ours_inputs(inputs, rollout_)
+    ours, leaf = trainer_like(plugin_args([objective, correction]), theta_)
+    ours.plugin_host = PluginHost([objective, correction])
+    l1, g1 = loss_and_grad(lambda t, m, i: t._plugin_loss(m, i), ours, leaf, dict(inputs))
+    _, _, trl_inputs = batch()
+    trl_importance_ratio(mode, lo, hi)(trl_inputs, rollout)
+    theirs, leaf2 = trainer_like({**trl_args, "use_vllm": True}, theta)
+    l2, g2 = loss_and_grad(GRPOTrainer._compute_loss, theirs, leaf2, trl_inputs)
+    assert torch.allclose(l1, l2, atol=1e-6, rtol=0) and torch.allclose(g1, g2, atol=1e-6, rtol=0)
+    changed = ours._metrics["train"][f"{correction.name}/changed_fraction"][0]
+    assert 0 < changed < 1  # the batch exercises both kept and truncated/masked tokens
