@@ -108,9 +108,9 @@ class RolloutLogprobs(Plugin):
             torch.no_grad(),
         ):
             model = self._generation_model(trainer, unwrapped)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                 generation_config=trainer.generation_config, output_scores=True,
-                                 return_dict_in_generate=True)
+            config = copy.deepcopy(trainer.generation_config)
+            config.output_scores, config.return_dict_in_generate = True, True
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
         completion_ids = out.sequences[:, input_ids.size(1):]
         logprobs = sampled_token_logprobs(out.scores, completion_ids)
         # Keep tokens up to and including the first EOS, as TRL does.
