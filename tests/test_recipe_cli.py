@@ -157,3 +157,17 @@ def test_plugins_list_and_show(capsys):
     assert code == 0 and "normalization" in out and "default 'token'" in out and "2203.02155" in out
     code, _, err = run_cli(capsys, "plugins", "show", "dpoo")
     assert code == 2 and "Did you mean: dpo" in err
+
+
+def test_all_problems_of_a_stage_are_reported_together(tmp_path, capsys):
+    data = {**BASE, "plugins": ["sfft", {"sft": {"normalization": "x"}}], "args": {"learnin_rate": 1}}
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
+    assert code == 2
+    assert "unknown plugin 'sfft'" in err and "params.normalization" in err and "args.learnin_rate" in err
+
+
+def test_dpo_options_the_plugin_path_would_ignore_are_refused(tmp_path, capsys):
+    data = {**BASE, "trainer": "dpo", "dataset": {"source": "embedded:arithmetic", "params": {"format": "preference"}},
+            "plugins": ["dpo"], "args": {"ld_alpha": 0.5}}
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
+    assert code == 2 and "stages[0].args.ld_alpha" in err and "'dpo'" in err

@@ -9,7 +9,7 @@ from typing import Any
 
 from trl_ext.errors import RecipeError
 from trl_ext.host import PluginHost
-from trl_ext.plugin import Need
+from trl_ext.plugin import Need, Slot
 from trl_ext.recipe import StageSpec, check_args_fields, instantiate_plugins
 from trl_ext.trainers import TRAINER_KINDS, TrainerKind
 
@@ -62,13 +62,12 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
         errors.append(f"{where}.ref_model: the {stage.trainer} trainer takes no separate reference model")
     if stage.teacher and not kind.reads_teacher and not any(Need.TEACHER in p.cls.needs for p in _infos(stage, catalog)):
         errors.append(f"{where}.teacher: neither the {stage.trainer} trainer nor a selected plugin uses a teacher")
+    # Continue with the plugins that did resolve, so one run of `trl-ext validate` reports every problem at once.
     plugins, plugin_errors = instantiate_plugins(stage, index, catalog)
     errors += plugin_errors
     if kind.uses_rewards and not plugin_errors and not any("trl_ext_reward_functions" in p.implemented_hooks() for p in plugins):
         errors.append(f"{where}.plugins: the {stage.trainer} trainer needs at least one reward plugin "
                       f"(e.g. exact_match, math_verify)")
-    if errors:
-        raise RecipeError(errors)
     host = PluginHost(plugins)
 
     args = {**default_args(kind), **({"seed": seed} if seed is not None else {}), **stage.args}
@@ -84,6 +83,7 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
     for messages in host.hook.trl_ext_validate_stage(stage=stage, plugins=plugins):
         errors += [f"{where}: {m}" for m in messages or []]
     errors += _check_loss_pipeline_support(host, stage, index, args)
+    errors += _check_preference_pipeline_support(host, stage, index, args)
     if extra_args:
         args.update(extra_args)
     if not errors:
@@ -130,6 +130,24 @@ def _merge_plugin_args(host: PluginHost, stage: StageSpec, index: int, args: dic
                 args[key] = value
                 set_by[key] = plugin.name
     return errors
+
+
+# DPOConfig options that change TRL's own preference loss; the plugin path computes summed log-probs and leaves the
+# loss to the plugin, so these would be silently ignored there.
+_DPO_OPTIONS_NOT_IN_PLUGIN_PATH = {"ld_alpha": None, "f_divergence_type": "reverse_kl", "use_weighting": False,
+                                   "label_smoothing": 0.0}
+
+
+def _check_preference_pipeline_support(host: PluginHost, stage: StageSpec, index: int, args: dict[str, Any]) -> list[str]:
+    if stage.trainer != "dpo" or not host.implements("trl_ext_preference_loss"):
+        return []
+    owner = host.filling(Slot.PREFERENCE_LOSS)
+    name = owner.name if owner is not None else "?"
+    return [
+        f"stages[{index}].args.{key}: TRL's DPO option has no effect with the preference-loss plugin {name!r}; remove it"
+        for key, neutral in _DPO_OPTIONS_NOT_IN_PLUGIN_PATH.items()
+        if key in args and args[key] != neutral
+    ]
 
 
 def _check_loss_pipeline_support(host: PluginHost, stage: StageSpec, index: int, args: dict[str, Any]) -> list[str]:
