@@ -216,3 +216,28 @@ def test_interrupted_stage_resumes_to_the_same_final_state(tmp_path):
         return [row["step"] for row in rows if "loss" in row]
 
     assert loss_steps(resumed) == loss_steps(straight) == [1, 2, 3, 4, 5, 6]  # no rows lost or duplicated
+
+
+def test_peft_stage_saves_adapter_and_a_merged_model_the_next_stage_loads(tmp_path):
+    recipe = parse_recipe({
+        "seed": 0,
+        "stages": [
+            {"name": "lora", "trainer": "sft", "model": "embedded:tiny-qwen2", "plugins": ["sft"],
+             "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 32},
+             "peft": {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+             "args": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 32, "learning_rate": 1e-2}},
+            {"name": "after", "trainer": "sft", "model": "stage:lora", "plugins": ["sft"],
+             "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 16},
+             "args": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 32}},
+        ],
+    })
+    run_recipe(recipe, tmp_path, _catalog(), echo=lambda _m: None)
+    assert (tmp_path / "lora" / "adapter" / "adapter_config.json").exists()
+    assert not (tmp_path / "lora" / "adapter_config.json").exists()  # the top level is a plain, merged model
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "_embedded" / "tiny-qwen2")
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # LoRA touched only its targets
+    assert (tmp_path / "after" / "stage.json").exists()

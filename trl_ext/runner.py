@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -98,6 +99,16 @@ class RunContext:
     extra_callbacks: list = field(default_factory=list)
 
 
+# The run in progress, for plugins that resolve `stage:`/`embedded:` model refs or cache files next to the run's
+# outputs (e.g. preference-pair builders). Set by `run_recipe` for the duration of the run; None outside a run.
+_CURRENT_RUN: ContextVar[RunContext | None] = ContextVar("trl_ext_current_run", default=None)
+
+
+def current_run() -> RunContext | None:
+    """The :class:`RunContext` of the recipe being run (``None`` outside :func:`run_recipe`)."""
+    return _CURRENT_RUN.get()
+
+
 def run_recipe(recipe: Recipe, output_dir: str | Path, catalog, max_steps: int | None = None,
                extra_callbacks: list | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Validate, then run every stage not already complete. Returns the run summary (also in run.json)."""
@@ -122,17 +133,21 @@ def run_recipe(recipe: Recipe, output_dir: str | Path, catalog, max_steps: int |
     if state.is_main_process:
         write_json_atomic(output_dir / "run.json", run_info)
 
-    for rs in resolved:
-        marker = output_dir / rs.spec.name / COMPLETE_MARKER
-        if marker.exists():
-            done = json.loads(marker.read_text())
-            ctx.echo(f"[trl-ext] stage {rs.spec.name!r}: already complete, skipping")
-            run_info["stages"][rs.spec.name] = done.get("summary", {})
-            continue
-        summary = run_stage(rs, ctx, fingerprints[rs.spec.name])
-        run_info["stages"][rs.spec.name] = summary
-        if state.is_main_process:
-            write_json_atomic(output_dir / "run.json", run_info)
+    token = _CURRENT_RUN.set(ctx)
+    try:
+        for rs in resolved:
+            marker = output_dir / rs.spec.name / COMPLETE_MARKER
+            if marker.exists():
+                done = json.loads(marker.read_text())
+                ctx.echo(f"[trl-ext] stage {rs.spec.name!r}: already complete, skipping")
+                run_info["stages"][rs.spec.name] = done.get("summary", {})
+                continue
+            summary = run_stage(rs, ctx, fingerprints[rs.spec.name])
+            run_info["stages"][rs.spec.name] = summary
+            if state.is_main_process:
+                write_json_atomic(output_dir / "run.json", run_info)
+    finally:
+        _CURRENT_RUN.reset(token)
 
     if state.is_main_process:
         from trl_ext.plotting import plot_curves
@@ -274,9 +289,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     if resume_from:
         ctx.echo(f"[trl-ext] stage {spec.name!r}: resuming from {resume_from}")
     result = trainer.train(resume_from_checkpoint=resume_from)
-    trainer.save_model(str(stage_dir))
-    if state.is_main_process:
-        tokenizer.save_pretrained(str(stage_dir))
+    save_stage_model(trainer, tokenizer, stage_dir, is_main=state.is_main_process)
     state.wait_for_everyone()
 
     summary: dict[str, Any] = {"trainer": spec.trainer, "plugins": rs.host.names(),
@@ -296,6 +309,26 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     del trainer
     gc.collect()
     return summary
+
+
+def save_stage_model(trainer, tokenizer, stage_dir: Path, is_main: bool) -> None:
+    """Save the stage's model as an ordinary Hugging Face folder that later stages can load by path.
+
+    A PEFT-trained model is saved twice: the adapter alone under ``adapter/`` (what TRL would save) and the adapter
+    merged into the base weights at the top, so ``stage:<name>`` is a plain model for the next stage.
+    """
+    from peft import PeftModel
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not isinstance(model, PeftModel):
+        trainer.save_model(str(stage_dir))
+    elif is_main:
+        model.save_pretrained(str(stage_dir / "adapter"))
+        import copy
+
+        copy.deepcopy(model).merge_and_unload().save_pretrained(str(stage_dir))
+    if is_main:
+        tokenizer.save_pretrained(str(stage_dir))
 
 
 def _step_of(checkpoint: str | None) -> int | None:
