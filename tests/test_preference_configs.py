@@ -6,7 +6,7 @@ from trl_ext.catalog import Catalog
 from trl_ext.recipe import load_raw, parse_recipe
 from trl_ext.runner import resolve_recipe
 
-NAMES = ["dpo", "ipo", "apo", "simpo", "orpo", "rpo", "qrpo", "kto"]
+NAMES = ["dpo", "ipo", "apo", "simpo", "orpo", "rpo", "qrpo", "kto", "delta_pairs", "iterative_dpo"]
 
 
 @pytest.mark.parametrize("name", NAMES)

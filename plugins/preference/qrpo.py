@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
@@ -18,6 +20,20 @@ class QRPOParams(PluginParams):
     ref_rewards_column: str = Field(
         "ref_rewards", description="Dataset column with the rewards of n >= 2 reference-policy completions of the "
                                    "prompt (a list per row).")
+    ref_completions: int | None = Field(
+        None, ge=2, description="Generate this many (n >= 2) reference completions per prompt and score them, filling "
+                                "`ref_rewards` (and missing chosen/rejected reward columns); None reads the columns.")
+    reference: str | None = Field(None, description="Model sampling the reference completions (path, `stage:`, "
+                                                    "`embedded:`); default the stage's ref_model, else its model.")
+    reward: str = Field("exact_match", description="Reward plugin (catalog name) scoring generated completions.")
+    reward_params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the reward plugin.")
+    reward_model: str | None = Field(None, description="A one-logit reward model replacing `reward` when set.")
+    max_new_tokens: int = Field(64, gt=0, description="Length limit of the reference completions.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the reference completions (1.0: "
+                                                      "samples of pi_ref itself, which the quantile needs).")
+    seed: int = Field(0, description="Sampling seed of the reference completions.")
+    cache_dir: str | None = Field(None, description="Cache of the reference rewards; default "
+                                                    "`<run output_dir>/_cache/qrpo`.")
 
 
 class QRPO(PreferenceLoss):
@@ -28,12 +44,58 @@ class QRPO(PreferenceLoss):
     ``(r_q - beta log Z - beta log pi/pi_ref(y))**2`` on each completion; on a preference row both the chosen and the
     rejected completion are such points (each with its own reward column) and the per-row loss is their mean. The
     log-ratio is summed over completion tokens; ``beta`` is TRL's ``args.beta``. Rows need at least 2 reference
-    rewards (checked before training). The reference completions and their rewards are dataset input here: this
-    plugin does not generate them.
+    rewards (checked before training). The reference rewards are read from the dataset, or, with
+    ``ref_completions: n``, generated: n completions per prompt sampled from the reference (temperature 1 by default,
+    so they are draws of pi_ref), scored by a reward plugin or a reward model, together with the chosen/rejected
+    completions when their reward columns are absent. The result is cached as a dataset keyed by a hash of the
+    reference model, rows and settings, so reruns and other runs with the same inputs reuse it.
     """
 
     name = "qrpo"
     Params = QRPOParams
+
+    @hookimpl
+    def trl_ext_prepare_dataset(self, dataset, split, stage):
+        generate = self.params.ref_completions is not None and stage.trainer == "dpo" and "prompt" in dataset.column_names
+        out = self._with_reference_rewards(dataset, stage) if generate else None
+        super().trl_ext_prepare_dataset(dataset=out if generate else dataset, split=split, stage=stage)
+        return out
+
+    def _with_reference_rewards(self, dataset, stage):
+        from trl_ext_plugins.preference import generation as gen
+
+        p = self.params
+        reference = gen.resolve_model(p.reference or stage.ref_model or stage.model, self.name)
+        key = gen.cache_key({"reference": gen.model_fingerprint(reference), "rows": dataset.to_list(),
+                             "settings": p.model_dump(exclude={"cache_dir", "exact_log_partition"})})
+
+        def build():
+            score = gen.scorer(p.reward, p.reward_params, p.reward_model, self.name)
+            model, tokenizer = gen.load_policy(reference)
+            prompts = dataset["prompt"]
+            samples = gen.sample_completions(model, tokenizer, prompts, num_samples=p.ref_completions,
+                                             max_new_tokens=p.max_new_tokens, do_sample=True,
+                                             temperature=p.temperature, seed=p.seed)
+            others = {c: dataset[c] for c in dataset.column_names if c not in ("prompt", "chosen", "rejected")}
+
+            def rewards(completions, repeat):
+                return score(prompts=[x for x in prompts for _ in range(repeat)], completions=completions,
+                             **{c: [x for x in v for _ in range(repeat)] for c, v in others.items()})
+
+            flat = rewards([gen.as_completion(pr, t) for pr, group in zip(prompts, samples) for t in group],
+                           p.ref_completions)
+            n = p.ref_completions
+            out = dataset.remove_columns([c for c in (p.ref_rewards_column,) if c in dataset.column_names])
+            out = out.add_column(p.ref_rewards_column, [flat[i * n:(i + 1) * n] for i in range(len(dataset))])
+            for side in ("chosen", "rejected"):
+                column = getattr(p, f"{side}_reward_column")
+                if column not in dataset.column_names:
+                    out = out.add_column(column, [float(r) for r in rewards(dataset[side], 1)])
+            return out
+
+        data, hit = gen.cached_dataset(gen.cache_root(p.cache_dir, self.name), key, build)
+        gen.logger.info("qrpo: reference rewards for %d prompts (%s)", len(data), "cache hit" if hit else "generated")
+        return data
 
     def columns(self):
         return (Column(self.params.chosen_reward_column), Column(self.params.rejected_reward_column),
