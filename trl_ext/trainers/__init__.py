@@ -13,6 +13,7 @@ from typing import Any, Callable
 from trl import DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
 
 from trl_ext.plugin import Need
+from trl_ext.trainers.prm import PRMConfig
 
 
 @dataclass
@@ -83,6 +84,12 @@ def _build_reward(ctx):
     return ExtRewardTrainer(model=ctx.model, **_common(ctx))
 
 
+def _build_prm(ctx):
+    from trl_ext.trainers.prm import ExtPRMTrainer
+
+    return ExtPRMTrainer(model=ctx.model, **_common(ctx))
+
+
 def _build_distillation(ctx):
     from trl_ext.trainers.others import ExtDistillationTrainer
 
@@ -123,6 +130,7 @@ TRAINER_KINDS: dict[str, TrainerKind] = {
         TrainerKind("dpo", DPOConfig, _build_dpo, lambda s, a: {Need.REFERENCE}, reads_ref_model=True),
         TrainerKind("kto", KTOConfig, _build_kto, lambda s, a: {Need.REFERENCE}, reads_ref_model=True),
         TrainerKind("reward", RewardConfig, _build_reward, lambda s, a: set()),
+        TrainerKind("prm", PRMConfig, _build_prm, lambda s, a: set()),
         TrainerKind("distillation", DistillationConfig, _build_distillation, _teacher_caps, reads_teacher=True),
     ]
 }
