@@ -1,12 +1,15 @@
 """Reward plugins for RL trainers (GRPO, RLOO) and held-out evaluation."""
 
 from trl_ext import hookimpl
+from trl_ext_plugins.rewards.checklist_judge import ChecklistJudge
 from trl_ext_plugins.rewards.constraints import Constraints
 from trl_ext_plugins.rewards.exact_match import ExactMatch
 from trl_ext_plugins.rewards.length_shaping import LengthShaping
+from trl_ext_plugins.rewards.llm_judge import LLMJudge
 from trl_ext_plugins.rewards.orm import ORM
 from trl_ext_plugins.rewards.prm import PRM
 from trl_ext_plugins.rewards.reward_model import RewardModel
+from trl_ext_plugins.rewards.self_judge import SelfJudge
 from trl_ext_plugins.rewards.unit_tests import UnitTests
 from trl_ext_plugins.rewards.verify_math import MathVerify
 from trl_ext_plugins.rewards.warm import Warm
@@ -23,6 +26,9 @@ def trl_ext_register_plugins(register):
     register(Warm)
     register(PRM)
     register(ORM)
+    register(LLMJudge)
+    register(ChecklistJudge)
+    register(SelfJudge)
 
 
 @hookimpl

@@ -1,0 +1,470 @@
+"""llm_judge, checklist_judge, self_judge: verdict parsing, order averaging, fallbacks, HTTP judge, checklists,
+Copeland self-judging, and the llm_judge recipe end to end."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from trl_ext.catalog import Catalog
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import StageSpec, load_raw, parse_recipe
+from trl_ext.runner import resolve_recipe, run_recipe
+from trl_ext.testing import check_plugin_conformance
+from trl_ext_plugins.rewards import judging
+from trl_ext_plugins.rewards.checklist_judge import (ChecklistJudge, ChecklistJudgeParams, normalise_checklist,
+                                                     parse_verifier, run_verifier)
+from trl_ext_plugins.rewards.llm_judge import LLMJudge, LLMJudgeParams, pairwise_rewards
+from trl_ext_plugins.rewards.self_judge import CONSISTENCY, SelfJudge, SelfJudgeParams, group_rewards
+
+STAGE = StageSpec(trainer="grpo", model="x", dataset={"source": "embedded:arithmetic"})
+
+
+class FakeJudge:
+    """A backend whose reply is ``reply(text)``; records every judge prompt it saw."""
+
+    def __init__(self, reply):
+        self.reply, self.seen = reply, []
+
+    def bind(self, trainer):
+        return None
+
+    def generate(self, texts):
+        self.seen.extend(texts)
+        return [self.reply(t) for t in texts]
+
+
+def _answers(text):
+    """(answer A, answer B) of a built-in pairwise judge prompt."""
+    a = text.split("Response A: ")[1].split("\n")[0]
+    b = text.split("Response B: ")[1].split("\n")[0]
+    return a, b
+
+
+def longer_wins(text):  # a position-free judge: the longer answer wins, whichever order it is shown in
+    a, b = _answers(text)
+    return "Verdict: A" if len(a) > len(b) else "Verdict: B"
+
+
+def always_a(text):  # a maximally position-biased judge
+    return "Verdict: A"
+
+
+class Metrics(dict):
+    def __call__(self, name, value):
+        self.setdefault(name, []).append(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Verdict parsing
+# ---------------------------------------------------------------------------------------------------------------
+
+SCORE_TABLE = [
+    ("", None), ("   \n", None), (None, None),
+    ("no number here", None),
+    ("Score: 11", None), ("Score: 0", None), ("Score: -3", None),  # out of [1, 10]
+    ("3 and 7", None), ("between 4 and 6", None),  # several bare numbers, no verdict marker
+    ("Score: 7/10", 7.0), ("Score: 7/5", None),  # a denominator must be the scale's top
+    ("**8**", 8.0), ("I'd say **8**.", 8.0), ("[[6]]", 6.0), ("Rating: 6.5", 6.5), ("score = 4", 4.0),
+    ("7", 7.0), ("7.", 7.0), ("9/10", 9.0),
+    ("12+5=17 is right; 2 steps, 3 checks.\nVerdict: 3", 3.0),  # reasoning numbers, then the verdict
+    ("Score: 2 at first sight. On reflection...\nFinal score: 9", 9.0),  # the last verdict counts
+    ("Score: **5**", 5.0), ("Score: 5. Then 100 and 200 other numbers", 5.0),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), SCORE_TABLE)
+def test_parse_score_table(text, expected):
+    assert judging.parse_score(text, 1, 10) == expected
+
+
+PREF_TABLE = [
+    ("", None), (None, None), ("both are fine", None), ("Response A is better", None),
+    ("Verdict: A", 1.0), ("verdict: B", 0.0), ("Verdict: b", None), ("[[A]]", 1.0), ("[[C]]", 0.5), ("Winner: tie", 0.5),
+    ("A", 1.0), (" **B** ", 0.0),
+    ("A says 3, B says 4; A is wrong.\nVerdict: B", 0.0),  # reasoning mentions both, the last verdict counts
+    ("Verdict: A ... no, wait. Final verdict: B", 0.0),
+    ("The answer is a bit off, so the better one is a mess", None),  # lower-case 'a' is a word, not a verdict
+    ("The answer is a bit off.\nVerdict: B", 0.0),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), PREF_TABLE)
+def test_parse_preference_table(text, expected):
+    assert judging.parse_preference(text) == expected
+
+
+def test_order_averaging_formula_and_swap_consistency():
+    for v_ab in (0.0, 0.5, 1.0):
+        for v_ba in (0.0, 0.5, 1.0):
+            p_ab = judging.order_averaged_preference(v_ab, v_ba)
+            assert p_ab == (v_ab + 1 - v_ba) / 2
+            assert p_ab + judging.order_averaged_preference(v_ba, v_ab) == 1.0
+    assert judging.swap_consistency(1.0, 0.0) == 1.0  # A first wins, and it still wins shown second
+    assert judging.swap_consistency(1.0, 1.0) == 0.0  # the first position always wins
+    assert judging.swap_consistency(0.5, 0.5) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# llm_judge
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _llm(backend, **params):
+    plugin = LLMJudge(LLMJudgeParams(path="unused", **params))
+    plugin.backend = backend
+    (fn,) = plugin.trl_ext_reward_functions(STAGE)
+    return plugin, fn
+
+
+def test_pointwise_normalises_and_falls_back_with_counts():
+    replies = {"a": "Score: 10", "b": "Reasoning: 1+1=2.\nScore: 4", "c": "banana", "d": "Score: 42", "e": None}
+    backend = FakeJudge(lambda t: replies[t.split("Response: ")[1].split("\n")[0]])
+    plugin, fn = _llm(backend, fallback=-1.0)
+    metrics = Metrics()
+    got = fn.fn(prompts=["q"] * 5, completions=list("abcde"), log_metric=metrics)
+    assert got == [1.0, (4 - 1) / 9, -1.0, -1.0, -1.0]
+    assert metrics["llm_judge/unparsable"] == [3.0] and metrics["llm_judge/unparsable_frac"] == [0.6]
+    assert metrics["llm_judge/request_errors"] == [1.0]
+    fn.fn(prompts=["q"], completions=["c"], log_metric=metrics)  # the running total keeps counting
+    assert metrics["llm_judge/unparsable_total"] == [3.0, 4.0] and plugin.stats.verdicts == 6
+    assert "Question: q" in backend.seen[0] and "'Score: n' only" in backend.seen[0]
+
+
+def test_reasoning_mode_changes_the_instruction_and_reads_the_last_verdict():
+    backend = FakeJudge(lambda t: "Step 1 gives 9, step 2 gives 10.\nScore: 2")
+    _, fn = _llm(backend, reasoning=True, scale_min=0, scale_max=10)
+    assert fn.fn(prompts=["q"], completions=["x"]) == [0.2]
+    assert "Explain your reasoning" in backend.seen[0] and "from 0 to 10" not in backend.seen[0]
+    assert "scale of 0 to 10" in backend.seen[0]
+
+
+def test_pairwise_order_swap_consistency():
+    answers = ["xx", "x", "xxx"]
+    # a position-biased judge: after averaging every pair is a coin flip and P(A>B) + P(B>A) = 1
+    backend = FakeJudge(always_a)
+    _, fn = _llm(backend, mode="pairwise")
+    assert fn.fn(prompts=["q"] * 3, completions=answers) == [0.5, 0.5, 0.5]
+    assert len(backend.seen) == 6  # G (G - 1): every pair in both orders
+    verdicts = judging.judge_groups(backend, ["q"] * 2, [[0, 1]], ["x", "y"], judging.PAIRWISE_TEMPLATE, "",
+                                    judging.JudgeStats("t"))[0]
+    p, c = judging.preference_matrix(verdicts, 2)
+    assert p[0, 1] + p[1, 0] == 1.0 and p[0, 1] == 0.5 and c[0, 1] == 0.0
+    # a consistent judge (longer wins): P(long > short) = 1 in both orders, mean win probability ranks by length
+    _, fn = _llm(FakeJudge(longer_wins), mode="pairwise")
+    assert fn.fn(prompts=["q"] * 3, completions=answers) == [0.5, 0.0, 1.0]
+    # swapping the order of the group permutes the rewards and changes nothing else
+    assert fn.fn(prompts=["q"] * 3, completions=answers[::-1]) == [1.0, 0.0, 0.5]
+
+
+def test_pairwise_groups_are_runs_of_one_prompt_and_copeland_option():
+    backend = FakeJudge(longer_wins)
+    _, fn = _llm(backend, mode="pairwise", pairwise_aggregation="copeland")
+    got = fn.fn(prompts=["p", "p", "q", "q", "q"], completions=["a", "aaa", "bb", "bb", "b"])
+    assert got == [0.0, 1.0, 0.75, 0.75, 0.0]  # bb vs bb: both orders say B -> a tie; Copeland counts 1/2
+    assert len(backend.seen) == 2 + 6  # no comparisons across prompts
+    assert judging.groups_of(["p", "p", "q", "p"]) == [[0, 1], [2], [3]]
+
+
+def test_pairwise_fallback_for_samples_without_any_parsed_verdict():
+    verdicts = {(0, 1): None, (1, 0): None, (0, 2): 1.0, (2, 0): 0.0, (1, 2): None, (2, 1): None}
+    assert pairwise_rewards(verdicts, 3, "mean", fallback=-7.0) == [0.75, -7.0, 0.25]
+    assert pairwise_rewards({}, 1, "mean", fallback=-7.0) == [-7.0]
+
+
+class _JudgeServer(BaseHTTPRequestHandler):
+    canned = {"good": "Score: 9", "bad": "Reasoning: 3 mistakes.\nScore: 2", "garbage": "no idea"}
+    requests: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append((self.path, dict(self.headers), body))
+        answer = body["messages"][0]["content"].split("Response: ")[1].split("\n")[0]
+        if answer == "error":
+            self.send_error(500, "boom")
+            return
+        if answer == "slow":
+            time.sleep(1.0)
+        reply = {"choices": [{"message": {"role": "assistant", "content": self.canned.get(answer, "")}}]}
+        if answer == "malformed":
+            reply = {"unexpected": True}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        return None
+
+
+@pytest.fixture
+def judge_server():
+    _JudgeServer.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _JudgeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_endpoint_judge_against_local_server(judge_server, monkeypatch):
+    monkeypatch.setenv("TRL_EXT_TEST_JUDGE_KEY", "dummy-test-value")
+    plugin = LLMJudge(LLMJudgeParams(endpoint=judge_server, model="judge-1", timeout=0.4, fallback=-1.0,
+                                     api_key_env="TRL_EXT_TEST_JUDGE_KEY", max_new_tokens=5))
+    (fn,) = plugin.trl_ext_reward_functions(STAGE)
+    metrics = Metrics()
+    completions = ["good", "bad", "garbage", "error", "slow", "malformed"]
+    got = fn.fn(prompts=["1+1="] * 6, completions=completions, log_metric=metrics)
+    assert got == [pytest.approx(8 / 9), pytest.approx(1 / 9), -1.0, -1.0, -1.0, -1.0]
+    assert metrics["llm_judge/request_errors"] == [3.0]  # 500, timeout, malformed reply
+    assert metrics["llm_judge/unparsable"] == [4.0]
+    path, headers, body = _JudgeServer.requests[0]
+    assert path == "/v1/chat/completions"
+    assert body["model"] == "judge-1" and body["max_tokens"] == 5 and body["temperature"] == 0.0
+    assert body["messages"][0]["role"] == "user" and "Question: 1+1=" in body["messages"][0]["content"]
+    assert headers["Authorization"] == "Bearer dummy-test-value"
+    # a server that is not there at all: every request is a fallback, nothing raises
+    dead = LLMJudge(LLMJudgeParams(endpoint="http://127.0.0.1:9/v1/chat/completions", model="m", timeout=0.5))
+    assert dead.score(prompts=["q"], completions=["good"]) == [0.0]
+
+
+def test_local_judge_greedy_batched_equals_one_by_one(tiny_model_dir):
+    backend = judging.LocalJudge(tiny_model_dir, max_new_tokens=5, batch_size=8)
+    texts = ["Score this: 1+2=3", "x", "Rate 12+34=46 from 1 to 10"]
+    batched = backend.generate(texts)
+    assert batched == [backend.generate([t])[0] for t in texts]
+    assert all(isinstance(t, str) for t in batched)
+    plugin = LLMJudge(LLMJudgeParams(path=tiny_model_dir, max_new_tokens=3, fallback=0.25))
+    scores = plugin.score(prompts=["1+2="] * 2, completions=["3", "4"])
+    # independent: the same judge prompts decoded one by one, parsed, normalised or replaced by the fallback
+    prompts = [judging.POINTWISE_TEMPLATE.format(prompt="1+2=", completion=c, low=1, high=10,
+                                                 instruction=judging.POINTWISE_INSTRUCTION[False]) for c in "34"]
+    replies = [backend.generate([t])[0] for t in prompts]
+    parsed = [judging.parse_score(r, 1, 10) for r in replies]
+    assert scores == [0.25 if v is None else (v - 1) / 9 for v in parsed]
+    assert plugin.stats.verdicts == 2 and plugin.stats.unparsable == parsed.count(None)
+
+
+def test_validation_errors_name_the_fields():
+    catalog = Catalog.discover()
+
+    def stage(params):
+        return parse_recipe({"seed": 0, "stages": [{
+            "name": "g", "trainer": "grpo", "model": "embedded:tiny-qwen2",
+            "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}},
+            "plugins": ["grpo", {"llm_judge": params}]}]})
+
+    with pytest.raises(RecipeError, match="exactly one of params.path"):
+        resolve_recipe(stage({"path": "a", "endpoint": "http://x"}), catalog)
+    with pytest.raises(RecipeError, match="params.model is required"):
+        resolve_recipe(stage({"endpoint": "http://x"}), catalog)
+    with pytest.raises(RecipeError, match="scale_max must exceed"):
+        resolve_recipe(stage({"path": "a", "scale_min": 5, "scale_max": 5}), catalog)
+
+
+@pytest.mark.parametrize("cls", [LLMJudge, ChecklistJudge, SelfJudge])
+def test_conformance(cls):
+    check_plugin_conformance(cls)
+
+
+def test_llm_judge_recipe_end_to_end(tmp_path):
+    """configs/llm_judge.yaml, 1 step: the tiny judge's garbage verdicts map to the fallback and are counted."""
+    recipe = parse_recipe(load_raw("configs/llm_judge.yaml"))
+    out = tmp_path / "run"
+    info = run_recipe(recipe, out, Catalog.discover(), max_steps=1, echo=lambda _m: None)
+    assert info["status"] == "complete"
+    (row,) = [json.loads(line) for line in (out / "main" / "metrics.jsonl").read_text().splitlines()
+              if "rewards/llm_judge/mean" in line]
+    assert row["llm_judge/unparsable"] == 8.0 and row["llm_judge/unparsable_frac"] == 1.0
+    assert row["rewards/llm_judge/mean"] == 0.0  # the fallback
+    assert (out / "_embedded" / "tiny-qwen2" / "config.json").is_file()  # the judge shares the runner's copy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checklist_judge
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _item_judge(scores):
+    """Replies 'Score: s' with s looked up by the item text of the judge prompt (None -> failed request)."""
+    def reply(text):
+        item = text.split("Requirement: ")[1].split("\n")[0]
+        value = scores[item]
+        return value(text) if callable(value) else value
+    return FakeJudge(reply)
+
+
+def _checklist(backend, **params):
+    plugin = ChecklistJudge(ChecklistJudgeParams(path="unused", **params))
+    plugin.backend = backend
+    return plugin
+
+
+def test_checklist_weighting_paper_example():
+    backend = _item_judge({"is correct": "Score: 80", "is short": "Reasoning 1, 2.\nScore: 20"})
+    plugin = _checklist(backend)
+    checklist = [{"item": "is correct", "weight": 100}, {"item": "is short", "weight": 50}]
+    got = plugin.score(prompts=["1+2="], completions=["3"], checklist=[checklist])
+    assert got == [pytest.approx((100 * 80 + 50 * 20) / 150)] and got[0] == pytest.approx(60.0)
+    assert "0 (not at all) to 100" in backend.seen[0]
+
+
+def test_verifier_replaces_the_judge_deterministically():
+    backend = _item_judge({"is correct": "Score: 80", "three words at most": "Score: 0"})
+    plugin = _checklist(backend)
+    checklist = [{"item": "is correct", "weight": 100},
+                 {"item": "three words at most", "weight": 50, "verifier": "max_words:3"}]
+    got = plugin.score(prompts=["q", "q"], completions=["one two", "one two three four"],
+                       checklist=[checklist, checklist])
+    assert got == [pytest.approx((100 * 80 + 50 * 100) / 150), pytest.approx((100 * 80 + 50 * 0) / 150)]
+    assert not any("three words" in t for t in backend.seen)  # the judge is not asked about verified items
+
+
+def test_judge_samples_are_averaged_and_fallback_counted():
+    cycle = iter(["Score: 60", "Score: 80", "unsure", "x", None, "Score: 101"])
+    backend = _item_judge({"a": lambda _t: next(cycle), "b": lambda _t: next(cycle)})
+    plugin = _checklist(backend, samples=3, fallback=10.0)
+    metrics = Metrics()
+    got = plugin.score(prompts=["q"], completions=["y"], checklist=[[{"item": "a", "weight": 1},
+                                                                     {"item": "b", "weight": 3}]],
+                       log_metric=metrics)
+    assert len(backend.seen) == 6
+    assert got == [pytest.approx((1 * 70 + 3 * 10) / 4)]  # a: mean(60, 80); b: nothing parsed -> fallback 10
+    assert metrics["checklist_judge/unparsable"] == [4.0] and metrics["checklist_judge/request_errors"] == [1.0]
+
+
+def test_rows_without_a_checklist_get_none_and_json_and_string_items_work():
+    plugin = ChecklistJudge(ChecklistJudgeParams())  # no judge: verifier-only checklists
+    assert plugin.trl_ext_validate_stage(STAGE, []) is None
+    rows = [json.dumps([{"item": "says hi", "weight": 2, "verifier": "icontains:HI"},
+                        {"item": "ends politely", "verifier": "regex:(please|thanks)[.!]?$"}]),
+            None, []]
+    got = plugin.score(prompts=["q"] * 3, completions=["hi there, thanks!", "x", "y"], checklist=rows)
+    assert got == [pytest.approx(100.0), None, None]
+    assert normalise_checklist(["plain item"]) == [{"item": "plain item", "weight": 1.0, "verifier": None}]
+    with pytest.raises(ValueError, match="need a judge"):
+        plugin.score(prompts=["q"], completions=["x"], checklist=[[{"item": "judge me"}]])
+
+
+VERIFIER_TABLE = [
+    ("contains:42", "the answer is 42", 100.0), ("contains:42", "the answer is 4 2", 0.0),
+    ("not_contains:sorry", "fine", 100.0), ("icontains:yes", "YES!", 100.0),
+    ("regex:^\\d+$", "123", 100.0), ("regex:^\\d+$", "12a", 0.0), ("regex:a:b", "xa:by", 100.0),
+    ("max_words:2", "one two", 100.0), ("max_words:2", "one two three", 0.0),
+    ("min_words:2", "one", 0.0), ("max_chars:3", "abcd", 0.0),
+    ("starts_with:Answer", "  Answer: 3", 100.0), ("ends_with:.", "done.  ", 100.0),
+]
+
+
+@pytest.mark.parametrize(("spec", "text", "expected"), VERIFIER_TABLE)
+def test_verifier_registry(spec, text, expected):
+    assert run_verifier(spec, text) == expected
+
+
+def test_bad_verifiers_and_dataset_checks():
+    from datasets import Dataset
+
+    for spec, message in (("nope:1", "unknown verifier"), ("max_words", "unknown verifier"),
+                          ("max_words:many", "bad argument"), ("regex:(", "bad argument")):
+        with pytest.raises(ValueError, match=message):
+            parse_verifier(spec)
+    plugin = ChecklistJudge(ChecklistJudgeParams())
+    good = Dataset.from_dict({"prompt": ["q"], "checklist": [[{"item": "a", "weight": 1.0, "verifier": "contains:x"}]]})
+    assert plugin.trl_ext_prepare_dataset(good, "train", STAGE) is None
+    bad = Dataset.from_dict({"prompt": ["q"], "checklist": [[{"item": "a", "weight": 1.0, "verifier": "len:3"}]]})
+    with pytest.raises(ValueError, match="unknown verifier 'len:3'"):
+        plugin.trl_ext_prepare_dataset(bad, "train", STAGE)
+    with pytest.raises(ValueError, match="checklist_column 'checklist' is not a column"):
+        plugin.trl_ext_prepare_dataset(Dataset.from_dict({"prompt": ["q"]}), "train", STAGE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# self_judge
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_copeland_example_and_consistency():
+    # A > B, A > C, B > C, each stated consistently in both orders (v = 1 when the first shown wins)
+    beats = {(0, 1), (0, 2), (1, 2)}
+    verdicts = {(i, j): 1.0 if (i, j) in beats else 0.0 for i in range(3) for j in range(3) if i != j}
+    wins, consistency = group_rewards(verdicts, 3)
+    assert wins == [1.0, 0.5, 0.0] and consistency == [1.0, 1.0, 1.0]
+    # swapping the presentation order of every pair does not change a consistent judge's aggregated verdict
+    swapped = {(j, i): 1.0 - v for (i, j), v in verdicts.items()}
+    assert swapped == verdicts and group_rewards(swapped, 3)[0] == wins
+    # a position-biased judge: every pair a tie, consistency 0
+    biased = {k: 1.0 for k in verdicts}
+    assert group_rewards(biased, 3) == ([0.5, 0.5, 0.5], [0.0, 0.0, 0.0])
+    # one order unparsable: that pair counts as half the parsed verdict and is inconsistent
+    partial = {**verdicts, (1, 0): None}
+    wins, consistency = group_rewards(partial, 3)
+    assert wins == [1.0, 0.5, 0.0]  # P(A > B) = (1 + 1 - 0.5) / 2 = 0.75 > 0.5, still a win
+    assert consistency == [0.5, 0.5, 1.0]
+
+
+def test_self_judge_reward_and_consistency_column_with_fake_policy():
+    plugin = SelfJudge(SelfJudgeParams(consistency_weight=0.1))
+    plugin.judge = FakeJudge(longer_wins)
+    actor, cons = plugin.trl_ext_reward_functions(STAGE)
+    assert (cons.name, cons.weight) == (CONSISTENCY, 0.1)
+    metrics = Metrics()
+    completions = ["bb", "bbb", "b", "x", "xx"]
+    prompts = ["p"] * 3 + ["q"] * 2
+    assert actor.fn(prompts=prompts, completions=completions, log_metric=metrics) == [0.5, 1.0, 0.0, 0.0, 1.0]
+    assert cons.fn(prompts=prompts, completions=completions) == [1.0] * 5
+    assert len(plugin.judge.seen) == 6 + 2  # the consistency column reuses the actor call's verdicts
+    assert metrics["self_judge/consistency"] == [1.0]
+    plugin.judge = FakeJudge(always_a)
+    assert actor.fn(prompts=prompts, completions=completions, log_metric=metrics) == [0.5] * 5
+    assert cons.fn(prompts=prompts, completions=completions) == [0.0] * 5
+    assert metrics["self_judge/consistency"] == [1.0, 0.0]
+
+
+def test_self_judge_uses_the_trained_policy(tiny_trainer):
+    """One GRPO step in which the policy judges its own groups: verdicts come from trainer.model (in eval mode, the
+    training mode restored afterwards), and the judge metrics and both reward columns are logged."""
+    plugin = SelfJudge(SelfJudgeParams(consistency_weight=0.5, max_new_tokens=3))
+    trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1})
+    assert plugin.judge.trainer is trainer
+    calls = []
+    original_generate = judging.generate_texts
+
+    def spy(model, *args, **kwargs):
+        before = model.training
+        out = original_generate(model, *args, **kwargs)
+        calls.append((len(args[1]), model is trainer.model, before, model.training))
+        return out
+
+    judging.generate_texts = spy
+    try:
+        trainer.train()
+    finally:
+        judging.generate_texts = original_generate
+    assert calls == [(2 * 4 * 3, True, True, True)]  # 2 groups of G=4, G(G-1) verdicts each, in one call
+    logged = [row for row in trainer.state.log_history if "self_judge/consistency" in row]
+    assert logged and 0.0 <= logged[0]["self_judge/consistency"] <= 1.0
+    assert "self_judge/unparsable" in logged[0] and "rewards/self_judge/mean" in logged[0]
+    assert f"rewards/{CONSISTENCY}/mean" in logged[0]
+    assert torch.isfinite(torch.tensor(logged[0]["rewards/self_judge/mean"]))
+
+
+def test_policy_judge_generates_in_eval_mode_and_restores(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    modes = []
+    handle = model.register_forward_pre_hook(lambda m, _a: modes.append(m.training))
+    try:
+        judging.generate_texts(model, tok, ["1+2=", "3"], max_new_tokens=2)
+    finally:
+        handle.remove()
+    assert modes and not any(modes) and model.training
