@@ -49,6 +49,8 @@ def test_tokenizer_special_tokens_and_padding(tokenizer):
     assert batch["attention_mask"][0] == [0, 0, 1, 1, 1, 1]
     # No bos or other special token is added on its own.
     assert tokenizer.decode(tokenizer("1+2=")["input_ids"], skip_special_tokens=False) == "1+2="
+    # A character outside the alphabet is not dropped silently.
+    assert tokenizer("1#2")["input_ids"][1] == tokenizer.unk_token_id
 
 
 @pytest.mark.parametrize("loader", [PreTrainedTokenizerFast.from_pretrained, AutoTokenizer.from_pretrained])
@@ -97,6 +99,17 @@ def test_model_sizes_order_weak_and_strong():
     assert params["tiny-qwen2-small"] < params["tiny-qwen2"] / 3
     moe = build_model("tiny-qwen3-moe").config
     assert (moe.num_experts, moe.num_experts_per_tok, moe.num_hidden_layers) == (4, 2, 2)
+
+
+def test_moe_router_can_be_observed():
+    model = build_model("tiny-qwen3-moe")
+    routed = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda module, inputs, output: routed.append(output))
+    model(torch.tensor([[5, 6, 14, 7, 8, 18]]))
+    assert len(routed) == 2
+    router_logits, top_k_weights, selected_experts = routed[0]
+    assert router_logits.shape == (6, 4) and selected_experts.shape == (6, 2)
 
 
 def test_build_model_rejects_unknown_name():

@@ -27,7 +27,7 @@ class Recorder(Plugin):
     """Implements every run hook with neutral answers and counts the calls (test plugin)."""
 
     name = "recorder"
-    slots = frozenset({Slot.OBJECTIVE, Slot.AGGREGATION, Slot.ADVANTAGE, Slot.GENERATION})
+    slots = frozenset({Slot.OBJECTIVE, Slot.AGGREGATION, Slot.ADVANTAGE, Slot.GENERATION, Slot.REFILL})
     Params = NoParams
 
     @hookimpl
@@ -69,6 +69,13 @@ class Recorder(Plugin):
     def trl_ext_filter_groups(self, rewards, batch):
         _seen("trl_ext_filter_groups")
         return torch.ones_like(rewards, dtype=torch.bool)
+
+    @hookimpl
+    def trl_ext_refill_groups(self, trainer, inputs, score):
+        _seen("trl_ext_refill_groups")
+        output, keep = score(inputs)  # one round, as the host would run it
+        assert keep is not None and keep.all()  # the filter above keeps everything
+        return output
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):

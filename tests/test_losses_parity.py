@@ -72,7 +72,7 @@ def trainer_like(args, theta):
         importance_sampling_level=a["importance_sampling_level"], beta=a["beta"], top_entropy_quantile=1.0,
         off_policy_mask_threshold=None, use_vllm=a.get("use_vllm", False),
         vllm_importance_sampling_correction=a.get("use_vllm", False), aux_loss_enabled=False,
-        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=2, max_completion_length=8,
+        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=2, max_completion_length=8, _loss_extra_keys=(),
         accelerator=OneProcess(), model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)},
         args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=2,
                                    sapo_temperature_pos=a["sapo_temperature_pos"],

@@ -36,6 +36,9 @@ class RolloutBatch:
     prompt_mask: torch.Tensor | None = None  # (B, P)
     trainer: Any = None  # the trl-ext trainer, for plugins that must generate or score (e.g. ReMax, PPO critic)
     metrics: dict[str, float] = field(default_factory=dict)  # plugins add figures here; the host logs them
+    # this rank's (B, ...) tensors a plugin hands to its loss hooks: split into micro-batches with the rollout and
+    # passed as LossInputs.extra[key] (use a plugin-specific key prefix)
+    loss_extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:

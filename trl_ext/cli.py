@@ -43,8 +43,21 @@ def cmd_train(ns) -> int:
 
     recipe = _load_recipe(ns.recipe, ns.set)
     output_dir = ns.output_dir or recipe.output_dir or str(Path("runs") / Path(ns.recipe).stem)
-    run_recipe(recipe, output_dir, Catalog.discover(), max_steps=ns.max_steps)
+    try:
+        run_recipe(recipe, output_dir, Catalog.discover(), max_steps=ns.max_steps)
+    finally:
+        _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Tear down torch.distributed before interpreter exit: gloo's threads otherwise sometimes abort the process at
+    shutdown ("terminate called without an active exception") after all work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def cmd_plugins_list(ns) -> int:

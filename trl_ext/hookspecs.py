@@ -203,6 +203,25 @@ def trl_ext_filter_groups(rewards: torch.Tensor, batch: RolloutBatch) -> torch.T
 
 
 @hookspec(firstresult=True)
+def trl_ext_refill_groups(trainer: Any, inputs: list[dict[str, Any]],
+                          score: Callable[[list[dict[str, Any]]], tuple]) -> dict[str, Any] | None:
+    """Build the scored generation batch from one or more generation rounds (slot ``refill``).
+
+    Called on every rank, in training only, once per generation batch, in place of the single round the host would
+    run, with this rank's generation batch ``inputs`` (dataset rows, each prompt repeated ``num_generations`` times)
+    and ``score``. ``score(rows)`` runs one round on this rank's ``rows`` (same length and layout as ``inputs``):
+    TRL's generation and rewards plus the rollout hooks above, and returns ``(output, keep)``: ``output`` is the
+    dict TRL's ``_generate_and_score_completions`` returns for this rank (filtered samples already masked), ``keep``
+    the gathered bool ``(N_global,)`` mask of samples that passed ``trl_ext_filter_groups`` (``None`` when no
+    plugin filters). ``score`` runs collectives: every rank must call it the same number of times, so decide the
+    number of rounds from gathered values only (``keep`` is). Return a dict with the same keys and this rank's
+    batch size as ``output``, or ``None`` (without having called ``score``) for the host's single round.
+
+    Selection: first non-``None`` result wins; at most one plugin may claim the ``refill`` slot. Since 0.1.
+    """
+
+
+@hookspec(firstresult=True)
 def trl_ext_compute_advantages(rewards: torch.Tensor, batch: RolloutBatch) -> torch.Tensor | None:
     """Turn rewards into advantages (slot ``advantage``).
 

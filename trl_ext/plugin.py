@@ -35,6 +35,7 @@ class Slot(str, Enum):
     ADVANTAGE = "advantage"  # trl_ext_compute_advantages
     GENERATION = "generation"  # trl_ext_generate
     PREFERENCE_LOSS = "preference_loss"  # trl_ext_preference_loss
+    REFILL = "refill"  # trl_ext_refill_groups
 
 
 # Which hook fills which slot; a plugin implementing one of these hooks must declare the slot.
@@ -44,6 +45,7 @@ SLOT_OF_HOOK = {
     "trl_ext_compute_advantages": Slot.ADVANTAGE,
     "trl_ext_generate": Slot.GENERATION,
     "trl_ext_preference_loss": Slot.PREFERENCE_LOSS,
+    "trl_ext_refill_groups": Slot.REFILL,
 }
 
 

@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md items 27-30): rewards -> advantages through ``trl_ext_compute_advantages``.
+"""Advantage estimators (ALGORITHMS.md items 27-30, 38, 39): rewards -> advantages through ``trl_ext_compute_advantages``.
 
 Plugin modules are imported when registered, so ``trl_ext_plugins.advantages.math`` stays importable without TRL.
 """
@@ -10,9 +10,11 @@ def plugin_classes() -> tuple[type, ...]:
     from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline
     from trl_ext_plugins.advantages.reinforce_pp import ReinforcePP, ReinforcePPBaseline
     from trl_ext_plugins.advantages.remax import ReMax
+    from trl_ext_plugins.advantages.ppo import PPO
     from trl_ext_plugins.advantages.rloo import RLOO
+    from trl_ext_plugins.advantages.vapo import VAPO
 
-    return RLOO, ReinforceBaseline, ReMax, ReinforcePP, ReinforcePPBaseline
+    return RLOO, ReinforceBaseline, ReMax, ReinforcePP, ReinforcePPBaseline, PPO, VAPO
 
 
 @hookimpl

@@ -194,3 +194,27 @@ def torch_distributed_sum(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+# -- critic (PPO / VAPO, items 38-39) --------------------------------------------------------------------------------
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       clip: float | None = None) -> torch.Tensor:
+    """``0.5 * mean_t max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)`` over valid tokens (verl/OpenRLHF
+    convention: factor 1/2, token mean of this batch). ``clip=None``: the plain ``0.5 * (V - R)^2``."""
+    mask = mask.to(values.dtype)
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       reduce: Reduce = None) -> torch.Tensor:
+    """``1 - Var(R - V) / Var(R)`` over the valid tokens of the global batch (1: perfect, 0: no better than the mean,
+    NaN when the returns do not vary)."""
+    _, residual = masked_moments(returns - values, mask, reduce)
+    _, total = masked_moments(returns, mask, reduce)
+    return torch.where(total > 0, 1 - residual / total.clamp(min=1e-30), torch.full_like(total, float("nan")))

@@ -79,6 +79,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
     def __init__(self, *args, plugin_host, **kwargs):
         self._init_host(plugin_host)
         self._pending_rollout: RolloutBatch | None = None
+        self._loss_extra_keys: tuple[str, ...] = ()  # RolloutBatch.loss_extras keys, forwarded to LossInputs.extra
         super().__init__(*args, **kwargs)
 
     # -- generation -------------------------------------------------------------------------------------------------
@@ -125,10 +126,18 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
+        if self.model.training and self.plugin_host.implements("trl_ext_refill_groups"):
+            output = self.plugin_host.hook.trl_ext_refill_groups(trainer=self, inputs=inputs, score=self._score_round)
+            if output is not None:
+                return output
+        return self._score_round(inputs)[0]
+
+    def _score_round(self, inputs):
+        """One generation round: TRL's generate-and-score plus the rollout hooks -> (output, gathered keep or None)."""
         output = super()._generate_and_score_completions(inputs)
         batch, self._pending_rollout = self._pending_rollout, None
         if batch is None:
-            return output
+            return output, None
         batch.completion_mask = output["completion_mask"]
         batch.completion_ids = output["completion_ids"]
         batch.old_per_token_logps = output.get("old_per_token_logps")
@@ -146,6 +155,8 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         advantages = self.plugin_host.hook.trl_ext_compute_advantages(rewards=rewards, batch=batch)
         if advantages is not None:
             output["advantages"] = advantages.detach()
+        output.update(batch.loss_extras)
+        self._loss_extra_keys = tuple(batch.loss_extras)
         if keep is not None:
             local_keep = keep[batch.process_slice].to(output["completion_mask"].dtype)
             adv = output["advantages"]
@@ -155,7 +166,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
             batch.metrics["groups/kept_fraction"] = keep.float().mean().item()
         self._log_plugin_metrics(batch.metrics)
-        return output
+        return output, keep
 
     # -- loss -------------------------------------------------------------------------------------------------------
 
@@ -203,6 +214,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
                 "sapo_tau_pos": self.args.sapo_temperature_pos,
                 "sapo_tau_neg": self.args.sapo_temperature_neg,
                 "importance_sampling_level": self.importance_sampling_level,
+                **{key: inputs[key] for key in self._loss_extra_keys if key in inputs},
             },
         )
         host = self.plugin_host

@@ -1,0 +1,200 @@
+"""``ppo``: PPO for RLHF with a learned critic and GAE on the GRPO trainer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
+from trl_ext_plugins.advantages.critic import CriticCheckpointCallback, critic_from_path, critic_from_policy
+from trl_ext_plugins.advantages.math import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    kl_estimate,
+    length_adaptive_lambda,
+    masked_moments,
+    masked_whiten,
+    token_rewards,
+)
+from trl_ext_plugins.advantages.rollout import local, rank_reduce, sampling_policy_logps
+
+
+class PPOParams(PluginParams):
+    critic: Literal["policy_copy", "path"] = Field(
+        "policy_copy", description="policy_copy: a value head on a copy of the policy's trunk; path: a value model "
+        "loaded from critic_path (a sequence-classification reward model gives trunk and head).")
+    critic_path: str | None = Field(None, description="Hugging Face folder of the critic when critic: path.")
+    critic_lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate of the critic (verl critic default).")
+    critic_epochs: int = Field(1, ge=1, description="Passes of critic updates over each rollout batch.")
+    critic_mini_batches: int = Field(1, ge=1, description="Critic optimizer steps per pass (the rank's rollout batch "
+                                     "split into this many mini-batches, shuffled with a per-step seeded generator).")
+    critic_max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient-norm clip of the critic (None: off).")
+    critic_warmup_steps: int = Field(0, ge=0, description="Optimizer steps (trainer.state.global_step) during which "
+                                     "only the critic learns: the policy's advantages are 0, so it gets no gradient.")
+    value_clip: float | None = Field(0.5, gt=0.0, description="epsilon_v of the clipped value loss "
+                                     "max((V-R)^2, (clip(V, V_old +- eps_v) - R)^2) (OpenRLHF/verl 0.5; None: off).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE (RLHF: 1).")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda of the policy's advantages.")
+    lam_critic: float | None = Field(None, ge=0.0, le=1.0, description="GAE lambda of the critic's targets "
+                                     "R = A + V (None: the same as lam; VAPO decouples with 1.0).")
+    length_adaptive_alpha: float | None = Field(None, gt=0.0, description="If set, the policy lambda of each sequence "
+                                                "is 1 - 1/(alpha * l) (VAPO, alpha 0.05), replacing lam.")
+    kl_coef: float = Field(0.01, ge=0.0, description="beta of the k1 KL to the reference folded into the token rewards "
+                           "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01; needs args.beta != 0).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL_t estimator on log pi_old - log pi_ref.")
+    whiten_advantages: bool = Field(True, description="Whiten the advantages over the valid tokens of the global "
+                                    "batch (verl/OpenRLHF GAE default).")
+
+    @model_validator(mode="after")
+    def _path_given(self):
+        if self.critic == "path" and not self.critic_path:
+            raise ValueError("critic: path needs critic_path")
+        return self
+
+
+class PPO(Plugin):
+    """PPO for RLHF (Schulman et al. 2017, arXiv 1707.06347; Ziegler et al. 2019, arXiv 1909.08593; InstructGPT,
+    arXiv 2203.02155) with a learned value model and GAE (arXiv 1506.02438), on the GRPO trainer.
+
+    Each rollout: the critic scores prompt + completion (no grad) giving ``V(s_t)`` per completion token; token rewards
+    ``r_t = 1[t = T] * R - kl_coef * KL_t`` (k1 on ``log pi_old - log pi_ref`` by default; KL folded into the reward);
+    GAE ``A_t = sum_l (gamma lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t``, ``V`` after the last token
+    0; the policy gets the ``(B, T)`` advantages (whitened over the global batch by default) and the GRPO trainer's
+    clipped objective (``args.epsilon``, ``loss_type``). The critic, a separate module with its own AdamW optimizer,
+    is then trained on the same rollout *before* the policy steps (verl's order) on targets ``R_t = A_t + V_t`` (with
+    ``lam_critic``), loss ``0.5 * mean_t max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2)``; with several ranks its
+    gradients are averaged across them. During ``critic_warmup_steps`` only the critic learns (advantages are 0; with
+    AdamW and weight decay 0 the policy does not move).
+
+    Defaults: gamma 1, lam 0.95, value_clip 0.5 (OpenRLHF/verl), kl_coef 0.01 k1 (OpenRLHF), critic lr 1e-5 (verl),
+    one critic step per rollout, critic = value head on a copy of the policy trunk (head ~ N(0, 1/(H+1)), seeded).
+    Conventions: the value of token ``t`` is read at the position predicting it; unscorable rows count as reward 0;
+    the reference log-probs exist only when ``args.beta != 0`` (which also adds TRL's k3 KL *loss* term: keep it
+    small, e.g. 1e-3, to have the KL essentially in the reward only); set ``kl_coef: 0`` to run without a reference.
+    The critic and its optimizer are saved as ``critic.pt`` in each checkpoint folder and restored on resume; the
+    final critic is saved to ``<stage output>/critic.pt``. Logged: ``ppo/value_loss``, ``ppo/explained_variance``
+    (critic before this rollout's update vs the targets), ``ppo/returns_mean``, ``ppo/advantages_mean``,
+    ``ppo/values_mean``, ``ppo/kl``.
+    """
+
+    name = "ppo"
+    family = "advantage"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.ADVANTAGE})
+    provides = frozenset({Need.VALUE_MODEL})
+    Params = PPOParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        # instance-level needs: the reference is required only when the KL is folded into the reward
+        self.needs = frozenset({Need.REFERENCE}) if self.params.kl_coef > 0 else frozenset()
+        self.critic = None
+        self.critic_optimizer = None
+        self.trainer = None
+
+    # -- construction and checkpoints -------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        self.trainer = trainer
+        seed = trainer.args.seed
+        if self.params.critic == "path":
+            critic = critic_from_path(self.params.critic_path, seed)
+        else:
+            critic = critic_from_policy(trainer.accelerator.unwrap_model(trainer.model), seed)
+        self.critic = critic.to(device=trainer.accelerator.device, dtype=torch.float32)
+        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.params.critic_lr, weight_decay=0.0)
+        trainer.add_callback(CriticCheckpointCallback(self))
+
+    def critic_state(self) -> dict:
+        return {"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()}
+
+    def load_critic_state(self, state: dict) -> None:
+        self.critic.load_state_dict(state["model"])
+        self.critic_optimizer.load_state_dict(state["optimizer"])
+
+    @hookimpl
+    def trl_ext_after_stage(self, stage, output_dir, trainer):
+        if self.critic is not None and trainer.accelerator.is_main_process:
+            torch.save(self.critic_state(), f"{output_dir}/critic.pt")
+        return None
+
+    # -- advantages and the critic update ---------------------------------------------------------------------------
+
+    def policy_lambda(self, mask: torch.Tensor) -> float | torch.Tensor:
+        if self.params.length_adaptive_alpha is None:
+            return self.params.lam
+        return length_adaptive_lambda(mask.sum(-1), self.params.length_adaptive_alpha)
+
+    def token_level_rewards(self, rewards: torch.Tensor, batch, mask: torch.Tensor) -> torch.Tensor:
+        sequence = torch.nan_to_num(local(rewards, batch)).to(torch.float32)
+        if self.params.kl_coef <= 0:
+            return token_rewards(sequence, mask)
+        kl = kl_estimate(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(),
+                         self.params.kl_estimator)
+        batch.metrics["ppo/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1.0)).item()
+        return token_rewards(sequence, mask, kl, self.params.kl_coef)
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        p = self.params
+        trainer = batch.trainer
+        mask = batch.completion_mask.to(torch.float32)
+        critic_inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+        self.critic.eval()
+        with torch.no_grad():
+            old_values = self.critic(*critic_inputs).float() * mask
+        per_token = self.token_level_rewards(rewards, batch, mask)
+        advantages, _ = gae(per_token, old_values, mask, p.gamma, self.policy_lambda(mask))
+        lam_critic = p.lam if p.lam_critic is None else p.lam_critic
+        _, returns = gae(per_token, old_values, mask, p.gamma, lam_critic)
+
+        reduce = rank_reduce(batch)
+        batch.metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask, reduce).item()
+        batch.metrics["ppo/returns_mean"] = masked_moments(returns, mask, reduce)[0].item()
+        batch.metrics["ppo/values_mean"] = masked_moments(old_values, mask, reduce)[0].item()
+        batch.metrics["ppo/advantages_mean"] = masked_moments(advantages, mask, reduce)[0].item()
+        if trainer is not None and trainer.model.training:
+            batch.metrics["ppo/value_loss"] = self.update_critic(critic_inputs, old_values, returns, mask, batch)
+        if p.whiten_advantages:
+            advantages = masked_whiten(advantages, mask, reduce)
+        if trainer is not None and trainer.state.global_step < p.critic_warmup_steps:
+            batch.metrics["ppo/critic_warmup"] = 1.0
+            advantages = torch.zeros_like(advantages)
+        return advantages.detach()
+
+    def update_critic(self, critic_inputs, old_values, returns, mask, batch) -> float:
+        """Train the critic on this rank's rollout; returns the mean clipped value loss over its steps."""
+        p, trainer = self.params, batch.trainer
+        rows = mask.shape[0]
+        generator = torch.Generator().manual_seed(int(trainer.args.seed) * 1_000_003 + int(trainer.state.global_step))
+        self.critic.train()
+        losses = []
+        for _ in range(p.critic_epochs):
+            order = torch.randperm(rows, generator=generator).to(mask.device)
+            for chunk in order.chunk(p.critic_mini_batches):
+                values = self.critic(*(t[chunk] for t in critic_inputs)).float()
+                loss = clipped_value_loss(values, old_values[chunk], returns[chunk], mask[chunk], p.value_clip)
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self._sync_gradients(trainer)
+                if p.critic_max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), p.critic_max_grad_norm)
+                self.critic_optimizer.step()
+                losses.append(loss.detach())
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        self.critic.eval()
+        mean = torch.stack(losses).mean()
+        if trainer.accelerator.num_processes > 1:
+            mean = trainer.accelerator.reduce(mean, reduction="mean")
+        return mean.item()
+
+    def _sync_gradients(self, trainer) -> None:
+        if trainer.accelerator.num_processes == 1:
+            return
+        for param in self.critic.parameters():
+            if param.grad is not None:
+                param.grad = trainer.accelerator.reduce(param.grad, reduction="mean")

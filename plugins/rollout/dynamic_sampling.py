@@ -1,0 +1,173 @@
+"""``dynamic_sampling``: DAPO's dynamic sampling: drop zero-variance groups and refill the batch with new prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext_plugins.rollout.math import group_has_signal, nonzero_variance_groups, select_groups
+
+LEFT_PADDED = ("prompt_ids", "prompt_mask")  # every other (B, T) tensor of TRL's rollout dict is right-padded
+TOKEN_IDS = ("prompt_ids", "completion_ids")  # padded with the pad token; everything else with 0
+RECOMPUTED = ("num_items_in_batch",)  # scalar over the whole batch: recomputed after the merge
+
+
+class DynamicSamplingParams(PluginParams):
+    max_rounds: int = Field(10, ge=1, description="Most generation rounds per generation batch, the first one "
+                                                  "included (verl filter_groups.max_num_gen_batches; DAPO's recipe: "
+                                                  "10). 1 = filter only. When reached, the batch is completed with "
+                                                  "dropped groups, masked out.")
+    metric: str | None = Field(None, description="Reward function whose within-group variance decides (a reward "
+                                                 "name of the stage, e.g. exact_match, as DAPO filters on accuracy); "
+                                                 "null: the weighted total reward the advantages use.")
+
+
+class DynamicSampling(Plugin):
+    """Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476; ALGORITHMS.md item 47).
+
+    Groups whose rewards all agree (std = 0, e.g. all correct or all wrong) have zero group-normalised advantage and
+    carry no gradient. This plugin drops them and generates further rounds of new prompts until the generation batch
+    again holds as many groups with a learning signal as it has room for, or until ``max_rounds`` rounds (default 10,
+    the first included) have run; then it keeps what there is and completes the batch with dropped groups, masked out.
+
+    Conventions chosen:
+
+    * the filter is a ``trl_ext_filter_groups`` mask (``0 < std``, NaN rewards ignored, "zero" as TRL's
+      ``frac_reward_zero_std`` tests it), so dropped or left-over groups get zero advantage and a zero completion mask:
+      they leave every token-count denominator (ALGORITHMS.md convention 8: masking, not zero-weighting). Another
+      plugin's filter ANDs with it, and refilling continues until enough groups pass all filters (a group counts if
+      any of its samples is kept). Filtering and refilling apply in training only;
+    * a refill round has the size of the original generation batch (verl's ``gen_batch_size`` equal to the train
+      batch); surplus groups of the last round are discarded, as verl does. Advantages are computed per round (group
+      normalisation is within a group, so the merge does not change them; with ``scale_rewards: batch`` the batch std
+      is the round's);
+    * new prompts are drawn from the trainer's ``train_dataset`` (a map-style dataset), uniformly without replacement
+      within a round, from a generator seeded by ``(args.seed, trainer micro-step, round)``: the same prompts on every
+      rank, reproducible, independent of the data loader's position (refill prompts may repeat prompts seen elsewhere);
+    * the number of rounds is decided from the gathered keep mask, so every rank runs the same rounds; a refilled batch
+      is merged through all-gathers of each rollout tensor and every rank keeps its own slice, so batch sizes do not
+      change on any rank. Cost: each round runs TRL's whole scoring (generation, rewards, and the old-policy / reference
+      forwards when configured) and a refilled batch is gathered on every rank once. Multimodal rollouts are refused.
+
+    Logged per generation batch: ``dynamic_sampling/rounds``, ``dynamic_sampling/prompts`` (prompts generated, all
+    ranks), ``dynamic_sampling/kept_groups_fraction`` (groups of the final batch with a signal) and
+    ``dynamic_sampling/cap_hit``.
+    """
+
+    name = "dynamic_sampling"
+    family = "rollout"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.REFILL})
+    Params = DynamicSamplingParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.history: list[dict[str, float]] = []  # one record per generation batch (what is logged)
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        generations = stage.args.get("num_generations", 8)  # TRL's default
+        if generations is not None and generations < 2:
+            return [f"plugin {self.name!r}: args.num_generations must be at least 2 (a group of one has no variance)"]
+        return None
+
+    @hookimpl
+    def trl_ext_filter_groups(self, rewards, batch):
+        if batch.trainer is not None and not batch.trainer.model.training:
+            return None
+        values = rewards
+        if self.params.metric is not None:
+            if self.params.metric not in batch.reward_names:
+                raise ValueError(f"plugin {self.name!r}: metric {self.params.metric!r} is not a reward function of "
+                                 f"this stage ({', '.join(batch.reward_names)})")
+            values = batch.rewards_per_func[:, batch.reward_names.index(self.params.metric)]
+        groups = nonzero_variance_groups(values, batch.num_generations)
+        return groups.repeat_interleave(batch.num_generations)
+
+    @hookimpl
+    def trl_ext_refill_groups(self, trainer, inputs, score):
+        G = trainer.num_generations
+        rounds = [score(inputs)]
+        if rounds[0][1] is None:  # no filter answered (cannot happen in training): nothing to refill
+            return rounds[0][0]
+        needed = rounds[0][1].numel() // G
+        signal = [group_has_signal(rounds[0][1], G)]
+        while sum(int(s.sum()) for s in signal) < needed and len(rounds) < self.params.max_rounds:
+            rounds.append(score(self._new_rows(trainer, inputs, len(rounds))))
+            signal.append(group_has_signal(rounds[-1][1], G))
+        chosen = select_groups(signal, needed)
+        kept = sum(int(signal[r][g]) for r, g in chosen)
+        record = {"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/prompts": len(rounds) * needed,
+                  "dynamic_sampling/kept_groups_fraction": kept / needed,
+                  "dynamic_sampling/cap_hit": float(kept < needed)}
+        self.history.append(record)
+        trainer._log_plugin_metrics(record)
+        if len(rounds) == 1:  # nothing to merge: dropped groups are already masked by the host
+            return rounds[0][0]
+        return merge_rounds(trainer, [output for output, _ in rounds], chosen, G, len(inputs))
+
+    def _new_rows(self, trainer, inputs, round_index):
+        """This rank's slice of a fresh generation batch: prompts drawn identically on every rank, each repeated G
+        times, laid out as TRL's sampler shards a generation batch (rank r holds global rows [r*B, (r+1)*B))."""
+        dataset = trainer.train_dataset
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise RuntimeError(f"plugin {self.name!r} refills from a map-style train dataset (not an iterable one)")
+        G, acc = trainer.num_generations, trainer.accelerator
+        n_prompts = len(inputs) * acc.num_processes // G
+        rng = np.random.default_rng([int(trainer.args.seed), int(trainer._step), round_index])
+        picks = rng.choice(len(dataset), size=n_prompts, replace=n_prompts > len(dataset)).tolist()
+        columns = list(inputs[0])  # the columns the data loader delivered
+        rows = [{key: row[key] for key in columns} for row in (dataset[i] for i in picks) for _ in range(G)]
+        start = acc.process_index * len(inputs)
+        return rows[start:start + len(inputs)]
+
+
+def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], num_generations: int,
+                 local_size: int) -> dict:
+    """Assemble the chosen ``(round, group)`` groups of several rounds' rollout dicts into this rank's slice.
+
+    Every tensor is gathered from all ranks (padded to a common width, left for prompt tensors, right otherwise),
+    rounds are padded to a common width and stacked, the chosen groups' rows are taken in order, and this rank keeps
+    rows ``[rank * local_size, (rank + 1) * local_size)``. Collective calls happen in sorted key order on every rank.
+    """
+    acc = trainer.accelerator
+    pad_id = trainer._tokenizer.pad_token_id
+    keys = sorted(outputs[0])
+    for output in outputs[1:]:
+        if sorted(output) != keys:
+            raise RuntimeError(f"dynamic_sampling: rounds returned different keys ({keys} vs {sorted(output)})")
+    n_global = local_size * acc.num_processes
+    rows = torch.tensor([r * n_global + g * num_generations + j for r, g in chosen for j in range(num_generations)])
+    mine = rows[acc.process_index * local_size:(acc.process_index + 1) * local_size]
+    merged = {}
+    for key in keys:
+        if key in RECOMPUTED:
+            continue
+        if not all(isinstance(o[key], torch.Tensor) and o[key].dim() >= 1 for o in outputs):
+            raise RuntimeError(f"dynamic_sampling cannot merge rollout field {key!r} (multimodal rollouts are not "
+                               f"supported)")
+        left, value = key in LEFT_PADDED, pad_id if key in TOKEN_IDS else 0
+        parts = [_gather_rows(acc, o[key], left, value) for o in outputs]
+        if parts[0].dim() >= 2:
+            width = max(p.size(1) for p in parts)
+            parts = [_pad_width(p, width, left, value) for p in parts]
+        merged[key] = torch.cat(parts)[mine.to(parts[0].device)]
+    loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)
+    merged["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()
+    return merged
+
+
+def _gather_rows(acc, tensor: torch.Tensor, left: bool, value) -> torch.Tensor:
+    if tensor.dim() >= 2:
+        tensor = acc.pad_across_processes(tensor, dim=1, pad_index=value, pad_first=left)
+    return acc.gather(tensor)
+
+
+def _pad_width(tensor: torch.Tensor, width: int, left: bool, value) -> torch.Tensor:
+    missing = width - tensor.size(1)
+    if missing == 0:
+        return tensor
+    pad = tensor.new_full((tensor.size(0), missing, *tensor.shape[2:]), value)
+    return torch.cat([pad, tensor] if left else [tensor, pad], dim=1)
