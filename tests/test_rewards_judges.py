@@ -435,7 +435,7 @@ def test_self_judge_uses_the_trained_policy(tiny_trainer):
     trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1})
     assert plugin.judge.trainer is trainer
     calls = []
-    original_generate = judging.generate_texts
+    original_generate = judging.generate_sequences
 
     def spy(model, *args, **kwargs):
         before = model.training
@@ -443,15 +443,20 @@ def test_self_judge_uses_the_trained_policy(tiny_trainer):
         calls.append((len(args[1]), model is trainer.model, before, model.training))
         return out
 
-    judging.generate_texts = spy
+    judging.generate_sequences = spy
     try:
         trainer.train()
     finally:
-        judging.generate_texts = original_generate
+        judging.generate_sequences = original_generate
     assert calls == [(2 * 4 * 3, True, True, True)]  # 2 groups of G=4, G(G-1) verdicts each, in one call
     logged = [row for row in trainer.state.log_history if "self_judge/consistency" in row]
     assert logged and 0.0 <= logged[0]["self_judge/consistency"] <= 1.0
     assert "self_judge/unparsable" in logged[0] and "rewards/self_judge/mean" in logged[0]
+    # joint training of the judging ran on the one micro-batch: all 24 verdicts, 1..3 tokens each
+    assert torch.isfinite(torch.tensor(logged[0]["self_judge/judge_loss"]))
+    assert 24 <= logged[0]["self_judge/judge_tokens"] <= 24 * 3
+    assert 0.0 <= logged[0]["self_judge/judge_reward"] <= 1.0
+    assert plugin._pending["cursor"] == 24  # every judge sample consumed once
     assert f"rewards/{CONSISTENCY}/mean" in logged[0]
     assert torch.isfinite(torch.tensor(logged[0]["rewards/self_judge/mean"]))
 
@@ -468,3 +473,123 @@ def test_policy_judge_generates_in_eval_mode_and_restores(tiny_model_dir):
     finally:
         handle.remove()
     assert modes and not any(modes) and model.training
+
+
+# joint training of the judging ------------------------------------------------------------------------------------
+
+# one group of 3: jobs in pair_jobs order (0,1) (0,2) (1,0) (1,2) (2,0) (2,1); pair (0,1) consistent, (0,2)
+# position-decided, (1,2) half unparsable -> verdict rewards [1, 0, 1, 0, 0, 0], mean 1/3
+JUDGE_VERDICTS = {(0, 1): 1.0, (1, 0): 0.0, (0, 2): 1.0, (2, 0): 1.0, (1, 2): None, (2, 1): 0.0}
+JUDGE_ADV = [2 / 3, -1 / 3, 2 / 3, -1 / 3, -1 / 3, -1 / 3]
+
+
+def _judge_setup(tiny_model_dir, temperature=0.7, weight=1.0):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).train()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plugin = SelfJudge(SelfJudgeParams(temperature=temperature, judge_loss_weight=weight))
+    plugin.judge.bind(SimpleNamespace(model=model, processing_class=tok))
+    lengths = [(3, 1), (5, 2), (7, 3), (4, 3), (6, 1), (3, 2)]  # (prompt, verdict) token counts
+    seqs = [(torch.randint(5, 80, (p,)).tolist(), torch.randint(5, 80, (v,)).tolist()) for p, v in lengths]
+    plugin.judge.last_sequences = seqs
+    rewards = plugin._record_judge_samples([[0, 1, 2]], [JUDGE_VERDICTS])
+    return plugin, model, tok, seqs, rewards
+
+
+def _loss_inputs(model, steps_per_generation=2, grad_accum_steps=2, training=True):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(training=training, steps_per_generation=steps_per_generation,
+                           grad_accum_steps=grad_accum_steps, extra={"model": model}, metrics={})
+
+
+def _reference_judge_loss(model, seqs, advantages, temperature, normalizer):
+    """Independent: each sequence unpadded, full log-softmax, sum of verdict-token log-probs."""
+    total = 0.0
+    for (prompt, verdict), adv in zip(seqs, advantages, strict=True):
+        ids = torch.tensor([prompt + verdict])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double() / temperature, dim=-1)
+        positions = range(len(prompt) - 1, len(prompt) + len(verdict) - 1)
+        total = total + adv * sum(logp[t, ids[0, t + 1]] for t in positions)
+    return -total / normalizer
+
+
+def test_judge_rewards_advantages_and_term_match_independent_computation(tiny_model_dir):
+    plugin, model, _tok, seqs, rewards = _judge_setup(tiny_model_dir)
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert torch.allclose(plugin._pending["advantages"].double(), torch.tensor(JUDGE_ADV, dtype=torch.float64))
+    n_tokens = sum(len(v) for _, v in seqs)
+    # two micro-batches per generation batch, GA 2: chunks of 3 samples, each over N * 2 / 2 tokens
+    li = _loss_inputs(model)
+    terms = [plugin.trl_ext_extra_loss(li), plugin.trl_ext_extra_loss(li)]
+    assert plugin.trl_ext_extra_loss(li) is None  # each judge sample is used once
+    for k, term in enumerate(terms):
+        chunk = slice(3 * k, 3 * k + 3)
+        ref = _reference_judge_loss(model, seqs[chunk], JUDGE_ADV[chunk], 0.7, n_tokens)
+        assert abs(term.item() - ref.item()) < 1e-8
+    assert li.metrics["self_judge/judge_tokens"] == sum(len(v) for _, v in seqs[3:])
+    # GA scaling: one micro-batch per generation batch over 4 accumulation steps -> whole term / 4
+    plugin._pending["cursor"] = 0
+    whole = plugin.trl_ext_extra_loss(_loss_inputs(model, steps_per_generation=1, grad_accum_steps=4))
+    ref = _reference_judge_loss(model, seqs, JUDGE_ADV, 0.7, n_tokens * 4)
+    assert abs(whole.item() - ref.item()) < 1e-8
+    # eval micro-batches and judge_loss_weight 0 add nothing
+    plugin._pending["cursor"] = 0
+    assert plugin.trl_ext_extra_loss(_loss_inputs(model, training=False)) is None
+    off, *_ = _judge_setup(tiny_model_dir, weight=0.0)
+    assert off._pending is None and off.trl_ext_extra_loss(_loss_inputs(model)) is None
+
+
+def test_judge_gradients_flow_through_verdict_tokens_only(tiny_model_dir):
+    plugin, model, _tok, seqs, _ = _judge_setup(tiny_model_dir)
+    n_tokens = sum(len(v) for _, v in seqs)
+    plugin.trl_ext_extra_loss(_loss_inputs(model, steps_per_generation=1, grad_accum_steps=1)).backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert got and any(g.abs().sum() > 0 for g in got.values())
+    model.zero_grad(set_to_none=True)
+    _reference_judge_loss(model, seqs, JUDGE_ADV, 0.7, n_tokens).backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-10), name
+    # the gradient is carried by the advantage-weighted verdict log-probs only: zero advantages, zero gradient
+    model.zero_grad(set_to_none=True)
+    plugin._pending["cursor"], plugin._pending["advantages"] = 0, torch.zeros(6)
+    plugin.trl_ext_extra_loss(_loss_inputs(model, steps_per_generation=1, grad_accum_steps=1)).backward()
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
+
+
+def test_grpo_loss_with_judge_term_and_weight_zero_parity(tiny_trainer):
+    """On a generated GRPO batch: weight 0 gives TRL's own loss; weight 1 adds exactly the independent judge term."""
+    from trl import GRPOTrainer
+
+    plugin = SelfJudge(SelfJudgeParams(max_new_tokens=3))
+    trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1})
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the train loop
+    inputs = next(iter(trainer.get_train_dataloader()))
+    out = trainer._generate_and_score_completions(inputs)
+    pending = plugin._pending
+    assert pending is not None and len(pending["verdicts"]) == 24
+    # the random tiny model's verdicts are mostly unparsable (all advantages 0): use non-zero advantages instead
+    pending["advantages"] = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64)
+    base = GRPOTrainer._compute_loss(trainer, trainer.model, out)
+    with_judge = trainer._compute_loss(trainer.model, out)
+    seqs = list(zip(pending["prompts"], pending["verdicts"], strict=True))
+    ref = _reference_judge_loss(trainer.model, seqs, pending["advantages"].tolist(), 1.0, pending["tokens"])
+    assert abs(ref.item()) > 1e-3 and abs((with_judge - base).item() - ref.item()) < 1e-5
+    plugin.params = SelfJudgeParams(max_new_tokens=3, judge_loss_weight=0.0)
+    pending["cursor"] = 0
+    assert abs(trainer._compute_loss(trainer.model, out).item() - base.item()) < 1e-7
+
+
+def test_joint_training_validation():
+    with pytest.raises(ValueError, match="temperature > 0"):
+        SelfJudgeParams(temperature=0.0)
+    assert SelfJudgeParams(temperature=0.0, judge_loss_weight=0.0).temperature == 0.0
+    rloo = StageSpec(trainer="rloo", model="x", dataset={"source": "embedded:arithmetic"})
+    assert "judge_loss_weight: 0" in SelfJudge().trl_ext_validate_stage(rloo, [])[0]
+    assert SelfJudge(SelfJudgeParams(judge_loss_weight=0.0)).trl_ext_validate_stage(rloo, []) is None
+    assert SelfJudge().trl_ext_validate_stage(STAGE, []) is None

@@ -250,13 +250,20 @@ def _chat_or_plain(tokenizer, text: str, use_chat_template: bool) -> str:
 
 
 @torch.no_grad()
-def generate_texts(model, tokenizer, texts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
-                   batch_size: int = 16, use_chat_template: bool = True) -> list[str]:
-    """Decode ``max_new_tokens`` per text (greedy when ``temperature`` is 0), left-padded batches, new tokens only."""
+def generate_sequences(model, tokenizer, texts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
+                       batch_size: int = 16, use_chat_template: bool = True
+                       ) -> list[tuple[list[int], list[int], str]]:
+    """Per text: (prompt token ids as fed to ``generate``, new token ids up to and including the first EOS, decoded
+    new tokens). Greedy when ``temperature`` is 0, else pure sampling (top-p 1, top-k off); left-padded batches of
+    ``batch_size``; the model runs in eval mode and its training mode is restored afterwards."""
     device = next(model.parameters()).device
-    out: list[str] = []
+    out: list[tuple[list[int], list[int], str]] = []
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
     was_training = model.training
     model.eval()
     try:
@@ -267,11 +274,27 @@ def generate_texts(model, tokenizer, texts: Sequence[str], max_new_tokens: int, 
                         if temperature > 0 else {"do_sample": False})
             ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                  **sampling)
-            out.extend(tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+            new = ids[:, enc["input_ids"].shape[1]:]
+            texts_out = tokenizer.batch_decode(new, skip_special_tokens=True)
+            for row, text in enumerate(texts_out):
+                prompt = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
+                verdict = []
+                for token in new[row].tolist():
+                    verdict.append(token)
+                    if token in eos_ids:
+                        break
+                out.append((prompt, verdict, text))
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
     return out
+
+
+def generate_texts(model, tokenizer, texts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
+                   batch_size: int = 16, use_chat_template: bool = True) -> list[str]:
+    """Decode ``max_new_tokens`` per text (greedy when ``temperature`` is 0), left-padded batches, new tokens only."""
+    return [text for _, _, text in generate_sequences(model, tokenizer, texts, max_new_tokens, temperature,
+                                                      batch_size, use_chat_template)]
 
 
 class LocalJudge:
@@ -297,13 +320,15 @@ class LocalJudge:
 
 class PolicyJudge:
     """The model a trainer is training, used as judge (``self_judge``): generation under ``no_grad``, in eval mode,
-    the training mode restored afterwards."""
+    the training mode restored afterwards. ``last_sequences`` keeps the (judge prompt ids, verdict ids) of the last
+    ``generate`` call, in request order, for training the judging."""
 
     def __init__(self, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 16,
                  use_chat_template: bool = True):
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.batch_size, self.use_chat_template = batch_size, use_chat_template
         self.trainer = None
+        self.last_sequences: list[tuple[list[int], list[int]]] = []
 
     def bind(self, trainer) -> None:
         self.trainer = trainer
@@ -316,8 +341,10 @@ class PolicyJudge:
 
     def generate(self, texts: Sequence[str]) -> list[str | None]:
         model, tokenizer = self.model_and_tokenizer()
-        return generate_texts(model, tokenizer, texts, self.max_new_tokens, self.temperature, self.batch_size,
-                              self.use_chat_template)
+        out = generate_sequences(model, tokenizer, texts, self.max_new_tokens, self.temperature, self.batch_size,
+                                 self.use_chat_template)
+        self.last_sequences = [(prompt, verdict) for prompt, verdict, _ in out]
+        return [text for _, _, text in out]
 
 
 class EndpointJudge:
@@ -386,19 +413,20 @@ def judge_scores(backend, texts: Sequence[str], low: float, high: float, stats: 
     return out
 
 
+def pair_jobs(groups: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+    """The ordered comparisons (group, position shown as A, position shown as B) of :func:`judge_groups`, in the
+    order they are sent to the backend."""
+    return [(g, a, b) for g, rows in enumerate(groups) for a in range(len(rows)) for b in range(len(rows)) if a != b]
+
+
 def judge_groups(backend, prompts: Sequence[str], groups: Sequence[Sequence[int]], answers: Sequence[str],
                  template: str, instruction: str, stats: JudgeStats) -> list[dict[tuple[int, int], float | None]]:
     """Per group, the ordered verdicts ``{(a, b): v}`` (positions within the group, a != b, both presentation
     orders) of the judge comparing ``answers[group[a]]`` (shown as A) with ``answers[group[b]]`` (shown as B).
     All comparisons of all groups go to the backend in one call."""
-    jobs, texts = [], []
-    for g, rows in enumerate(groups):
-        for a, i in enumerate(rows):
-            for b, j in enumerate(rows):
-                if a != b:
-                    jobs.append((g, a, b))
-                    texts.append(template.format(prompt=prompts[rows[0]], answer_a=answers[i], answer_b=answers[j],
-                                                 instruction=instruction))
+    jobs = pair_jobs(groups)
+    texts = [template.format(prompt=prompts[groups[g][0]], answer_a=answers[groups[g][a]],
+                             answer_b=answers[groups[g][b]], instruction=instruction) for g, a, b in jobs]
     replies = backend.generate(texts) if texts else []
     out: list[dict[tuple[int, int], float | None]] = [{} for _ in groups]
     for (g, a, b), reply in zip(jobs, replies, strict=True):

@@ -1,8 +1,13 @@
-"""``self_judge``: the policy being trained judges its own group pairwise; Copeland win rate as the reward."""
+"""``self_judge``: the policy being trained judges its own group pairwise; Copeland win rate as the reward, and its
+judging is trained jointly (REINFORCE on the verdict tokens with a swap-consistency reward)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+import math
+
+import torch
+from pydantic import Field, model_validator
+from trl.trainer.utils import selective_log_softmax
 
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
@@ -20,10 +25,20 @@ class SelfJudgeParams(PluginParams):
     template: str | None = Field(None, description="pairwise judge prompt (str.format): {prompt} {answer_a} "
                                  "{answer_b} {instruction}; None: the built-in template")
     max_new_tokens: int = Field(8, gt=0, description="tokens the policy may generate per verdict")
-    temperature: float = Field(0.0, ge=0, description="judge-mode sampling temperature; 0 = greedy")
+    temperature: float = Field(1.0, ge=0, description="judge-mode sampling temperature; 0 = greedy (only with "
+                               "judge_loss_weight 0: the judge policy gradient needs sampled verdicts)")
+    judge_loss_weight: float = Field(1.0, ge=0, description="weight of the judge REINFORCE term added to the GRPO "
+                                     "loss (joint training of the judging); 0 disables joint training")
     batch_size: int = Field(16, gt=0, description="judge prompts per generate call")
     use_chat_template: bool = Field(True, description="wrap the judge prompt in the tokenizer's chat template when "
                                     "it has one")
+
+    @model_validator(mode="after")
+    def _sampled_verdicts(self):
+        if self.judge_loss_weight > 0 and self.temperature <= 0:
+            raise ValueError("judge_loss_weight > 0 trains the judging by policy gradient and needs sampled verdicts: "
+                             "set temperature > 0, or judge_loss_weight: 0 for a greedy, untrained judge")
+        return self
 
 
 def group_rewards(verdicts: dict[tuple[int, int], float | None], size: int) -> tuple[list[float], list[float]]:
@@ -39,26 +54,106 @@ def group_rewards(verdicts: dict[tuple[int, int], float | None], size: int) -> t
     return formulas.copeland_win_rates(p).tolist(), consistency.tolist()
 
 
+def verdict_rewards(verdicts: dict[tuple[int, int], float | None], jobs: list[tuple[int, int]]) -> list[float]:
+    """Consistency reward of each ordered verdict ``(a, b)`` in ``jobs``: the swap consistency of the pair
+    ``1 - |v(a, b) + v(b, a) - 1|`` (1 = same winner in both orders), 0 when either order is unparsable. Both
+    verdicts of a pair get the same reward."""
+    out = []
+    for a, b in jobs:
+        v_ab, v_ba = verdicts.get((a, b)), verdicts.get((b, a))
+        out.append(0.0 if v_ab is None or v_ba is None else judging.swap_consistency(v_ab, v_ba))
+    return out
+
+
+def judge_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Baseline-subtracted advantages over the judge samples of one generation batch: r - mean(r) (no std scaling,
+    so an all-consistent or all-inconsistent batch gives exactly zero)."""
+    return rewards - rewards.mean() if rewards.numel() else rewards
+
+
+def pack_judge_sequences(prompts: list[list[int]], verdicts: list[list[int]], pad_id: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, verdict_ids, verdict_mask): prompts left-padded to a common length and verdicts
+    right-padded after them, so the verdict tokens are the last ``V`` positions (TRL's completion layout)."""
+    width_p = max(len(p) for p in prompts)
+    width_v = max(max(len(v) for v in verdicts), 1)
+    rows, masks, v_ids, v_mask = [], [], [], []
+    for prompt, verdict in zip(prompts, verdicts, strict=True):
+        lp, lv = width_p - len(prompt), width_v - len(verdict)
+        rows.append([pad_id] * lp + prompt + verdict + [pad_id] * lv)
+        masks.append([0] * lp + [1] * (len(prompt) + len(verdict)) + [0] * lv)
+        v_ids.append(verdict + [pad_id] * lv)
+        v_mask.append([1] * len(verdict) + [0] * lv)
+    return (torch.tensor(rows), torch.tensor(masks), torch.tensor(v_ids), torch.tensor(v_mask))
+
+
+def verdict_logps(model, prompts: list[list[int]], verdicts: list[list[int]], pad_id: int,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token log pi_theta(verdict token | judge prompt, earlier verdict tokens) ``(B, V)``, mask ``(B, V)``),
+    with the logits divided by the sampling ``temperature`` (TRL's convention for sampled completions) and position
+    ids counted over real tokens only, as ``generate`` does for left-padded prompts."""
+    ids, mask, v_ids, v_mask = pack_judge_sequences(prompts, verdicts, pad_id)
+    device = next(model.parameters()).device
+    ids, mask, v_ids, v_mask = ids.to(device), mask.to(device), v_ids.to(device), v_mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    width_v = v_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=width_v + 1).logits
+    logits = logits[:, :-1, :] / temperature
+    return selective_log_softmax(logits, v_ids), v_mask
+
+
+def judge_policy_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                      normalizer: float) -> torch.Tensor:
+    """REINFORCE on verdict tokens: -(1 / normalizer) * sum_i A_i * sum_t log pi(verdict_i,t)."""
+    mask = mask.to(logps.dtype)
+    return -(advantages.to(logps.dtype).unsqueeze(1) * logps * mask).sum() / normalizer
+
+
 class SelfJudge(Plugin):
-    """Self-judging RL, SERL-style actor reward (Self-Examining RL, arXiv 2511.07922; origin: Self-Rewarding LMs,
-    arXiv 2401.10020).
+    """Self-judging RL, SERL-style (Self-Examining RL, arXiv 2511.07922; origin: Self-Rewarding LMs, arXiv
+    2401.10020): the policy judges its own groups, the actor reward is its pairwise win rate, and the judging itself
+    is trained jointly with a swap-consistency reward.
 
-    The policy being trained (the trainer's current model, bound in ``trl_ext_trainer_created``) judges every pair of
-    its own group in both orders ("Verdict: A|B"), greedy by default, under ``no_grad`` and in eval mode. With
-    P(i > j) = (v(i, j) + 1 - v(j, i)) / 2, the actor reward is the Copeland win rate of sample i within its group
-    (win 1, tie 1/2, loss 0, averaged over the G - 1 opponents; verdicts A>B, A>C, B>C give [1, 0.5, 0]). Groups are
-    consecutive rows sharing a prompt; an unparsable verdict counts as a tie and is counted in
-    ``self_judge/unparsable*``.
+    Actor side. The policy being trained (the trainer's current model, bound in ``trl_ext_trainer_created``) judges
+    every ordered pair of its own group ("Verdict: A|B"), under ``no_grad`` and in eval mode, sampled at
+    ``temperature`` (default 1.0; pure sampling, top-p 1, top-k off). With P(i > j) = (v(i, j) + 1 - v(j, i)) / 2,
+    the actor reward is the Copeland win rate of sample i within its group (win 1, tie 1/2, loss 0, averaged over the
+    G - 1 opponents; verdicts A>B, A>C, B>C give [1, 0.5, 0]). Groups are consecutive rows sharing a prompt; an
+    unparsable verdict counts as a tie and is counted in ``self_judge/unparsable*``. Judge consistency (agreement
+    under order swap, 1 - |v(i, j) + v(j, i) - 1| per pair) is logged as ``self_judge/consistency`` and, with
+    ``consistency_weight`` > 0, also added as an actor reward column ``self_judge_consistency`` (per sample, mean
+    over its pairs).
 
-    Judge consistency (agreement under order swap, 1 - |v(i, j) + v(j, i) - 1| per pair) is logged as
-    ``self_judge/consistency`` and, with ``consistency_weight`` > 0, added as the reward column
-    ``self_judge_consistency`` (per sample, mean over its pairs).
+    Judge side (joint training, ``judge_loss_weight`` > 0, GRPO trainer only). Each verdict is an action of the same
+    policy: sequence = judge prompt (exactly the ids fed to ``generate``, chat template included) + sampled verdict
+    tokens (up to and including the first EOS). Its reward is the swap consistency of its pair (1 when both orders
+    name the same winner, 0 when the position decided or either order is unparsable; both verdicts of a pair share
+    it), its advantage ``A = r - mean(r)`` over all judge samples of this rank's generation batch (baseline only, no
+    std scaling). The term added to the loss, through ``trl_ext_extra_loss``, is plain REINFORCE
 
-    Not implemented: SERL's *joint training of the judging*. That needs the judge-mode generations (judge prompt +
-    verdict tokens) to enter the policy-gradient batch as extra sequences with their own (consistency) advantages;
-    the GRPO seam only lets a plugin reweight, mask or add loss terms for the actor completions, so the verdicts here
-    shape the actor reward only and the consistency reward reaches the actor samples, not the verdict tokens.
-    Cost: G (G - 1) policy generations of ``max_new_tokens`` per group per step.
+        L_judge = -judge_loss_weight * (1 / N) * sum_i A_i * sum_t log pi_theta(verdict_i,t | prompt_i, verdict_i,<t)
+
+    with N the verdict tokens of the generation batch (token mean, as DAPO) and log pi computed with the logits
+    divided by ``temperature`` (the distribution the verdicts were sampled from, TRL's convention for completions)
+    and position ids counted over real tokens (as ``generate`` does). Gradient accumulation: the judge samples are
+    split in order into ``steps_per_generation`` chunks, one per training micro-batch of the generation batch, and
+    chunk k contributes ``-(sum over chunk k) / (N * grad_accum_steps / steps_per_generation)``, so one optimizer
+    step of a generation batch adds exactly L_judge (the core's ``global_token_mean`` scaling). Each chunk is used
+    once: with ``num_iterations`` > 1 only the first pass over a generation batch trains the judging (no importance
+    ratio or clipping here, so later passes would be off-policy). The forward runs the ``model`` the GRPO loss runs
+    (``LossInputs.extra["model"]``, the DDP/DeepSpeed-wrapped module), so gradient synchronisation covers the term;
+    ``trainer.model`` (unwrapped) is only a fallback for hosts that do not pass it. Logged: ``self_judge/judge_loss``
+    (token-mean REINFORCE loss of the chunk, unweighted), ``self_judge/judge_tokens``, ``self_judge/judge_reward``
+    (mean verdict reward of the batch). ``judge_loss_weight`` 0 leaves the GRPO loss untouched.
+
+    Limits / not protected: a degenerate judge that always names the same *answer content* regardless of quality is
+    rewarded as consistent (consistency is no correctness signal; SERL relies on it only as a self-consistency
+    regulariser); the judge sequences are forwarded in one batch per micro-batch (memory ~ G (G - 1) / steps per
+    generation sequences of judge-prompt length); with DDP each rank trains on its own judge samples and
+    normalises by its own N; the RLOO trainer has no loss seam, so joint training is refused there (use
+    ``judge_loss_weight: 0``); greedy judging (``temperature`` 0) is only allowed without joint training.
+    Cost: G (G - 1) policy generations of ``max_new_tokens`` per group per step, plus one forward/backward of those
+    sequences when the judging is trained.
     """
 
     name = "self_judge"
@@ -72,6 +167,7 @@ class SelfJudge(Plugin):
         self.judge = judging.PolicyJudge(p.max_new_tokens, p.temperature, p.batch_size, p.use_chat_template)
         self.stats = judging.JudgeStats(self.name)
         self._consistency: tuple[int, list[float]] | None = None
+        self._pending: dict | None = None  # judge samples of the last training generation batch, for the loss
 
     def score(self, prompts, completions, log_metric=None, **_kwargs) -> list[float]:
         p = self.params
@@ -92,8 +188,28 @@ class SelfJudge(Plugin):
                 rewards[row], consistency[row] = wins[k], cons[k]
         self._consistency = (id(completions), consistency)
         mean_c = sum(pair_consistency) / len(pair_consistency) if pair_consistency else 1.0
-        self.stats.log(log_metric, {f"{self.name}/consistency": mean_c})
+        extra = {f"{self.name}/consistency": mean_c}
+        judge_rewards = self._record_judge_samples(groups, verdicts)
+        if judge_rewards:
+            extra[f"{self.name}/judge_reward"] = sum(judge_rewards) / len(judge_rewards)
+        self.stats.log(log_metric, extra)
         return rewards
+
+    def _record_judge_samples(self, groups, verdicts) -> list[float]:
+        """Keep (judge prompt ids, verdict ids, advantage) of each verdict of a training batch for the loss hook."""
+        trainer = getattr(self.judge, "trainer", None)
+        sequences = getattr(self.judge, "last_sequences", None)
+        jobs = judging.pair_jobs(groups)
+        if (self.params.judge_loss_weight <= 0 or trainer is None or not trainer.model.training
+                or not sequences or len(sequences) != len(jobs)):
+            return []
+        judge_rewards = [r for g, a, b in jobs for r in verdict_rewards(verdicts[g], [(a, b)])]
+        self._pending = {
+            "prompts": [s[0] for s in sequences], "verdicts": [s[1] for s in sequences],
+            "advantages": judge_advantages(torch.tensor(judge_rewards, dtype=torch.float64)),
+            "tokens": sum(len(s[1]) for s in sequences), "cursor": 0,
+        }
+        return judge_rewards
 
     def consistency(self, prompts, completions, **kwargs) -> list[float]:
         """The consistency column, from the actor call on the same batch (TRL calls reward functions in order)."""
@@ -109,5 +225,35 @@ class SelfJudge(Plugin):
         return out
 
     @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        if self.params.judge_loss_weight > 0 and stage.trainer != "grpo":
+            return [f"plugin {self.name!r}: judge_loss_weight > 0 (joint training of the judging) needs the grpo "
+                    f"trainer's loss seam; on {stage.trainer!r} set judge_loss_weight: 0"]
+        return None
+
+    @hookimpl
     def trl_ext_trainer_created(self, trainer):
         self.judge.bind(trainer)
+
+    @hookimpl
+    def trl_ext_extra_loss(self, inputs):
+        pending = self._pending
+        if self.params.judge_loss_weight <= 0 or not inputs.training or pending is None:
+            return None
+        n = len(pending["verdicts"])
+        start = pending["cursor"]
+        if start >= n:
+            return None
+        stop = min(n, start + math.ceil(n / max(inputs.steps_per_generation, 1)))
+        pending["cursor"] = stop
+        trainer = self.judge.trainer
+        model = inputs.extra["model"] if inputs.extra.get("model") is not None else trainer.model
+        logps, mask = verdict_logps(model, pending["prompts"][start:stop], pending["verdicts"][start:stop],
+                                    trainer.processing_class.pad_token_id, self.params.temperature)
+        advantages = pending["advantages"][start:stop].to(logps.device)
+        normalizer = pending["tokens"] * inputs.grad_accum_steps / inputs.steps_per_generation
+        loss = judge_policy_loss(logps, mask, advantages, normalizer)
+        inputs.metrics[f"{self.name}/judge_loss"] = judge_policy_loss(
+            logps.detach(), mask, advantages, float(mask.sum().clamp(min=1))).item()
+        inputs.metrics[f"{self.name}/judge_tokens"] = float(mask.sum())
+        return self.params.judge_loss_weight * loss

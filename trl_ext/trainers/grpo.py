@@ -211,6 +211,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             beta=self.beta,
             extra={
                 "completion_ids": completion_ids,
+                "model": model,  # the (possibly DDP-wrapped) model this loss runs, for extra forward passes
                 "sapo_tau_pos": self.args.sapo_temperature_pos,
                 "sapo_tau_neg": self.args.sapo_temperature_neg,
                 "importance_sampling_level": self.importance_sampling_level,
