@@ -47,6 +47,9 @@ WORKER = textwrap.dedent('''
         dist.all_gather_object(parts, mine)
         if rank == 0:
             print(json.dumps({k: parts[0][k] + parts[1][k] for k in mine}))
+        # Tear gloo down before exit: its threads otherwise sometimes abort the process at interpreter shutdown.
+        dist.barrier()
+        dist.destroy_process_group()
 ''')
 
 
