@@ -149,6 +149,22 @@ def test_materialize_model_fills_an_empty_directory_but_not_a_used_one(tmp_path)
     assert (used / "notes.txt").read_text() == "keep me"
 
 
+def test_materialize_model_tolerates_a_concurrent_writer(tmp_path, monkeypatch):
+    target = tmp_path / "m"
+    real_build_tokenizer = build_tokenizer
+
+    def competing_writer_first():
+        # Another process finishes its copy while this one is still writing.
+        monkeypatch.setattr("trl_ext.embedded.models.build_tokenizer", real_build_tokenizer)
+        materialize_model("tiny-qwen2-small", target)
+        return real_build_tokenizer()
+
+    monkeypatch.setattr("trl_ext.embedded.models.build_tokenizer", competing_writer_first)
+    assert materialize_model("tiny-qwen2-small", target) == target
+    assert (target / MARKER_FILE).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 def test_materialize_model_is_atomic(tmp_path, monkeypatch):
     def broken_tokenizer():
         raise RuntimeError("disk full")

@@ -62,7 +62,9 @@ def evaluate_generation(
         model.train(was_training)
 
     # generate() returns the samples of one prompt next to each other; repeat the columns to match.
-    repeat = lambda values: [value for value in values for _ in range(samples)]  # noqa: E731
+    def repeat(values: list) -> list:
+        return [value for value in values for _ in range(samples)]
+
     rewards = reward_fn(
         prompts=repeat(prompts),
         completions=completions,

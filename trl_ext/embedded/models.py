@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -107,9 +108,8 @@ def build_model(name: str = "tiny-qwen2", seed: int = 0) -> PreTrainedModel:
     return model
 
 
-EMBEDDED_MODELS: dict[str, Callable[..., PreTrainedModel]] = {
-    name: (lambda seed=0, _name=name: build_model(_name, seed)) for name in _CONFIGS
-}
+# Builders taking an optional `seed`, e.g. `EMBEDDED_MODELS["tiny-qwen2"](seed=1)`.
+EMBEDDED_MODELS: dict[str, Callable[..., PreTrainedModel]] = {name: partial(build_model, name) for name in _CONFIGS}
 
 
 def materialize_model(name: str, directory: str | Path, seed: int = 0) -> Path:
@@ -133,18 +133,15 @@ def materialize_model(name: str, directory: str | Path, seed: int = 0) -> Path:
         build_model(name, seed).save_pretrained(staging, safe_serialization=True)
         build_tokenizer().save_pretrained(staging)
         (staging / MARKER_FILE).write_text(json.dumps(expected))
-        if directory.exists():
-            directory.rmdir()  # empty (checked above); a rename cannot replace a directory otherwise
-        os.replace(staging, directory)
-    except OSError:
-        # Another process may have renamed its own complete copy into place first.
-        shutil.rmtree(staging, ignore_errors=True)
-        if _existing_copy(directory, expected):
-            return directory
-        raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        try:
+            # rename(2) replaces a missing or empty directory atomically and fails on a non-empty one.
+            os.replace(staging, directory)
+        except OSError:
+            # Another process may have renamed its own complete copy into place first.
+            if not _existing_copy(directory, expected):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # still there only if the rename did not happen
     return directory
 
 
