@@ -89,6 +89,19 @@ def test_sampling_logprobs_are_the_processed_logits_of_the_sampling_step(trainer
     assert diff.max() > 1e-4
 
 
+def test_generation_copy_really_runs_in_bfloat16(trainer):
+    # Regression: the trainer patches `forward` on the policy instance, so a deep copy kept running the float32
+    # policy (its logits were bit-identical) and no mismatch existed. The copy must compute with its own weights.
+    plugin = trainer.plugin_host.get("rollout_logprobs")
+    copy_model = plugin._generation_model(trainer, trainer.accelerator.unwrap_model(trainer.model))
+    assert next(copy_model.parameters()).dtype == torch.bfloat16
+    ids = torch.tensor([[5, 6, 14, 7, 8, 18]])
+    with torch.no_grad():
+        low = torch.log_softmax(copy_model(ids).logits.float(), -1)
+        full = torch.log_softmax(trainer.model(ids).logits.float(), -1)
+    assert (low - full).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("mode, lo, hi, plugin", [
     ("token_truncate", None, 2.0, "tis"), ("sequence_truncate", None, 2.0, "tis_seq"),
     ("token_mask", 0.5, 2.0, "mis"), ("sequence_mask", None, 2.0, "mis_seq"), ("token_mask", 0.5, 2.0, "icepop"),

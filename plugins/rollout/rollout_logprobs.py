@@ -78,7 +78,13 @@ class RolloutLogprobs(Plugin):
             return unwrapped
         step = trainer.state.global_step
         if self._copy is None:
-            self._copy = copy.deepcopy(unwrapped).to(dtype).eval()
+            # Built from the config, not deep-copied: trainers patch `forward` on the policy instance (accelerate's
+            # output conversion, TRL's fused head) with closures over the original module, so a deep copy's forward
+            # would silently keep running the full-precision policy.
+            self._copy = type(unwrapped)._from_config(unwrapped.config, dtype=dtype).to(unwrapped.device)
+            self._copy.load_state_dict(unwrapped.state_dict())
+            self._copy.generation_config = copy.deepcopy(unwrapped.generation_config)
+            self._copy.eval()
             self._copy_step = step
         elif self._copy_step != step:
             with torch.no_grad():
