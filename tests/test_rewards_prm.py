@@ -1,6 +1,9 @@
-"""prm / orm: step BCE at separators, Math-Shepherd MC labels, product/min aggregation, training recipe end to end."""
+"""prm / orm: step BCE at separators, Math-Shepherd MC labels, judge labels, product/min aggregation, training recipe
+end to end."""
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -10,10 +13,11 @@ from trl_ext.recipe import StageSpec, load_raw, parse_recipe
 from trl_ext.runner import run_recipe
 from trl_ext.testing import check_plugin_conformance
 from trl_ext.trainers.prm import IGNORE, step_bce_loss, tokenize_steps
-from trl_ext_plugins.rewards import formulas
+from trl_ext_plugins.rewards import formulas, judging
 from trl_ext_plugins.rewards.orm import ORM, ORMParams
 from trl_ext_plugins.rewards.prm import PRM, PRMParams, split_steps, step_probabilities
-from trl_ext_plugins.rewards.steps import monte_carlo_step_labels, multistep_arithmetic
+from trl_ext_plugins.rewards.steps import (judge_step_labels, judge_step_prompts, monte_carlo_step_labels,
+                                            multistep_arithmetic)
 
 
 def test_step_bce_reads_only_labelled_positions():
@@ -128,3 +132,130 @@ def test_prm_recipe_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     scores = [r["rewards/prm/mean"] for r in rows if "rewards/prm/mean" in r]
     assert scores and all(0.0 <= s <= 1.0 for s in scores)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# label_source: judge
+# ---------------------------------------------------------------------------------------------------------------
+
+TRAIN = StageSpec(trainer="prm", model="x", dataset={"source": "x"})
+# (judge reply for a step, the score the parser must read on [1, 10]; None: unparsable -> fallback label)
+VERDICTS = [
+    ("Score: 10", 10.0), ("Score: 6", 6.0), ("Score: 5", 5.0), ("Rating: 5.5", 5.5), ("**1**", 1.0),
+    ("3+4=7 checks out.\nScore: 8", 8.0), ("garbage", None), ("Score: 11", None), ("", None), ("3 and 7", None),
+    ("ERROR", None),  # the server answers 500: a failed request
+]
+
+
+class _StepJudgeServer(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        step = body["messages"][0]["content"].split("Latest step: ")[1].split("\n")[0]
+        content = {f"s{i}": text for i, (text, _) in enumerate(VERDICTS)}[step]
+        if content == "ERROR":
+            self.send_error(500, "boom")
+            return
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        return None
+
+
+@pytest.fixture
+def step_judge_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StepJudgeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _two_solutions():
+    """Two rows whose steps s0..s10 get the VERDICTS replies (6 steps, then 5)."""
+    from datasets import Dataset
+
+    steps = [f"s{i}" for i in range(len(VERDICTS))]
+    return Dataset.from_list([{"prompt": "q1", "completions": steps[:6], "labels": [9.0] * 6, "answer": "1"},
+                              {"prompt": "q2", "completions": steps[6:], "labels": [9.0] * 5, "answer": "2"}])
+
+
+@pytest.mark.parametrize(("labels", "threshold"), [("hard", None), ("hard", 8.0), ("soft", None)])
+def test_judge_labels_from_an_endpoint_match_the_verdict_table(step_judge_server, labels, threshold):
+    plugin = PRM(PRMParams(label_source="judge", judge={"endpoint": step_judge_server, "model": "j", "labels": labels,
+                                                        "threshold": threshold, "fallback": 0.25, "timeout": 5}))
+    assert not plugin.trl_ext_validate_stage(stage=TRAIN, plugins=[])
+    out = plugin.trl_ext_prepare_dataset(_two_solutions(), "train", TRAIN)
+    thr = 5.5 if threshold is None else threshold  # default: the midpoint of [1, 10]
+    want = [0.25 if s is None else (s - 1) / 9 if labels == "soft" else float(s >= thr) for _, s in VERDICTS]
+    got = out["labels"][0] + out["labels"][1]
+    assert got == pytest.approx(want, abs=1e-12) and [len(x) for x in out["labels"]] == [6, 5]
+    if labels == "hard" and threshold is None:
+        assert got == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.25, 0.25, 0.25, 0.25, 0.25]
+    assert plugin.judge_stats.verdicts == 11 and plugin.judge_stats.unparsable == 5 and plugin.judge_stats.errors == 1
+    assert plugin.judge_summary["prm/judge/unparsable"] == 5.0 and plugin.judge_summary["prm/judge/verdicts"] == 11.0
+    assert plugin.judge_summary["prm/judge/request_errors"] == 1.0
+
+
+def test_judge_step_prompts_show_the_prefix_and_labels_split_per_row():
+    prompts = judge_step_prompts([{"role": "user", "content": "2+3+4=\n"}], ["2+3=5", "5+4=9"], 1, 10)
+    assert "Question: 2+3+4=\n" in prompts[0] and "Previous steps:\n(none)\nLatest step: 2+3=5\n" in prompts[0]
+    assert "Previous steps:\n2+3=5\nLatest step: 5+4=9\n" in prompts[1] and "scale of 1 (certainly wrong) to 10" in prompts[1]
+    assert prompts[1].endswith(judging.POINTWISE_INSTRUCTION[False])
+
+    class Fake:
+        def generate(self, texts):
+            return ["Score: 4" if "Latest step: b" in t else "Score: 9" for t in texts]
+
+    stats = judging.JudgeStats("x")
+    got = judge_step_labels(["p", "q"], [["a", "b"], ["c"]], Fake(), stats, low=0, high=10, soft=True)
+    assert got == [[0.9, 0.4], [0.9]] and stats.verdicts == 3 and stats.unparsable == 0
+    assert judge_step_labels(["p"], [["a", "b"]], Fake(), stats, low=0, high=10) == [[1.0, 0.0]]  # midpoint 5
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"label_source": "judge"}, "params.judge is required with label_source 'judge'"),
+    ({"label_source": "judge", "judge": {}}, "set exactly one of params.judge.path"),
+    ({"label_source": "judge", "judge": {"path": "a", "endpoint": "http://x/v1", "model": "m"}}, "exactly one"),
+    ({"label_source": "judge", "judge": {"endpoint": "http://x/v1"}}, "params.judge.model is required"),
+    ({"label_source": "judge", "judge": {"path": "stage:sft"}}, "judge.path must be a folder or embedded"),
+    ({"label_source": "judge", "judge": {"path": "a", "threshold": 11}}, "threshold (11.0) must lie in"),
+    ({"label_source": "judge", "judge": {"path": "a", "scale_min": 5, "scale_max": 5}}, "scale_max must exceed"),
+    ({"judge": {"path": "a"}}, "params.judge is only read with label_source 'judge'"),
+])
+def test_judge_label_validation(params, message):
+    errors = PRM(PRMParams(**params)).trl_ext_validate_stage(stage=TRAIN, plugins=[])
+    assert any(message in e for e in errors), errors
+    with pytest.raises(ValueError):
+        PRMParams(label_source="judge", judge={"path": "a", "fallback": 1.5})
+
+
+def test_tiny_model_as_judge_gives_fallback_labels_counted(tiny_model_dir):
+    """The untrained embedded model as judge: its replies are garbage, so steps get the fallback label, counted."""
+    data = multistep_arithmetic("train", size=3)
+    plugin = PRM(PRMParams(label_source="judge", judge={"path": tiny_model_dir, "max_new_tokens": 4, "fallback": 0.5}))
+    out = plugin.trl_ext_prepare_dataset(data, "train", TRAIN)
+    # independent: the same prompts decoded one by one, parsed, thresholded at 5.5 or replaced by the fallback
+    backend = judging.LocalJudge(tiny_model_dir, max_new_tokens=4)
+    parsed = [judging.parse_score(backend.generate([t])[0], 1, 10)
+              for row in data for t in judge_step_prompts(row["prompt"], row["completions"], 1, 10)]
+    want = [0.5 if s is None else float(s >= 5.5) for s in parsed]
+    assert [x for row in out["labels"] for x in row] == want
+    assert plugin.judge_stats.verdicts == len(parsed) and plugin.judge_stats.unparsable == parsed.count(None) > 0
+
+
+def test_judge_labelled_prm_stage_runs_in_a_recipe(tmp_path):
+    """One prm stage whose labels come from the embedded tiny model as judge (by name), 1 training step."""
+    recipe = parse_recipe({"seed": 0, "stages": [{
+        "name": "prm", "trainer": "prm", "model": "embedded:tiny-qwen2",
+        "dataset": {"source": "embedded:multistep_arithmetic", "split": "train", "params": {"size": 4}},
+        "plugins": [{"prm": {"label_source": "judge", "judge": {"path": "embedded:tiny-qwen2", "max_new_tokens": 3}}}],
+        "args": {"max_steps": 1, "per_device_train_batch_size": 4, "save_strategy": "no", "max_length": 64}}]})
+    info = run_recipe(recipe, tmp_path / "run", Catalog.discover(), echo=lambda _m: None)
+    assert info["stages"]["prm"]["global_step"] == 1 and info["stages"]["prm"]["train_loss"] > 0

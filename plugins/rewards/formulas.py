@@ -145,3 +145,18 @@ def copeland_win_rates(preference: torch.Tensor) -> torch.Tensor:
     wins = torch.where(p > 0.5, 1.0, torch.where(p < 0.5, 0.0, 0.5)).to(torch.float64)
     wins.fill_diagonal_(0.0)
     return wins.sum(dim=1) / (g - 1)
+
+
+def judge_step_label(score: float | None, low: float, high: float, soft: bool, threshold: float,
+                     fallback: float) -> float:
+    """Step label from a judge's verdict score on ``[low, high]`` (LLM-as-judge step labels, Qwen PRM lessons,
+    arXiv 2501.07301).
+
+    soft: the normalised score (s - low) / (high - low); hard: 1.0 if s >= ``threshold`` (on the judge's scale) else
+    0.0; an unparsable verdict (``score is None``) gets ``fallback``.
+    """
+    if score is None:
+        return float(fallback)
+    if soft:
+        return (score - low) / (high - low)
+    return float(score >= threshold)

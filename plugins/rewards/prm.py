@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
@@ -10,21 +11,43 @@ from pydantic import Field
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rewards import formulas
+from trl_ext_plugins.rewards.llm_judge import JudgeBackendParams
 from trl_ext_plugins.rewards.scoring import STAGE_PREFIX, LazyScorer, resolve_ref
 
 TRAINING = "prm"
+logger = logging.getLogger("trl_ext.rewards.prm")
+
+
+class PRMJudgeParams(JudgeBackendParams):
+    """The judge of ``label_source: judge`` (the ``judge:`` mapping of the prm plugin's params)."""
+
+    labels: Literal["hard", "soft"] = Field("hard", description="hard: 1 if score >= threshold else 0; soft: the "
+                                            "score normalised to [0, 1]")
+    scale_min: float = Field(1.0, description="lowest score the judge may give")
+    scale_max: float = Field(10.0, description="highest score the judge may give")
+    threshold: float | None = Field(None, description="hard labels: a step is correct when its score >= threshold "
+                                    "(on the judge's scale); None: the midpoint (scale_min + scale_max) / 2")
+    fallback: float = Field(0.0, ge=0.0, le=1.0, description="label of a step whose verdict could not be parsed (or "
+                            "whose request failed): 0 treats it as wrong; counted in the judge stats")
+    template: str | None = Field(None, description="judge prompt (str.format) with {prompt} {previous} {step} {low} "
+                                 "{high} {instruction}; None: the built-in step template")
+    weight: float = Field(1.0, description="unused here (the shared judge schema's reward weight; the prm reward's "
+                          "weight is the plugin's own `weight`)")
 
 
 class PRMParams(PluginParams):
     separator: str = Field("\n", description="step separator: appended after each step; the step's score is read at "
                            "its last token (training and scoring)")
-    label_source: Literal["dataset", "mc_hard", "mc_soft"] = Field(
-        "dataset", description="training: step labels from the dataset's `labels` column, or Math-Shepherd Monte-Carlo "
-        "estimates from `completer` rollouts (hard: any rollout correct; soft: fraction correct)")
+    label_source: Literal["dataset", "mc_hard", "mc_soft", "judge"] = Field(
+        "dataset", description="training: step labels from the dataset's `labels` column, Math-Shepherd Monte-Carlo "
+        "estimates from `completer` rollouts (hard: any rollout correct; soft: fraction correct), or a judge's "
+        "verdict on each step prefix (`judge`)")
     completer: str | None = Field(None, description="training with mc_*: the completer policy (a folder or "
                                   "`embedded:<name>`)")
     rollouts: int = Field(8, gt=0, description="training with mc_*: N completions per step (Math-Shepherd N=8)")
     max_new_tokens: int = Field(16, gt=0, description="training with mc_*: tokens per completer rollout")
+    judge: PRMJudgeParams | None = Field(None, description="training with label_source judge: the judge (path or "
+                                         "endpoint + model, labels hard/soft, scale, threshold, fallback, ...)")
     path: str | None = Field(None, description="RL stages: the trained PRM (`stage:<name>`, `embedded:<name>` or a "
                              "folder); unset in a `prm` training stage")
     aggregation: Literal["product", "min", "last"] = Field(
@@ -94,10 +117,23 @@ class PRM(Plugin):
     one logit, trained with BCE at the last token of the separator after each step (``L = -sum_s [y_s log r(s) +
     (1 - y_s) log(1 - r(s))]``, averaged over the labelled steps of a batch), which takes hard and soft labels alike
     (Lightman's 3-class labels map to 1 for positive/neutral, 0 for negative, "neutral as positive"). Rows are
-    ``prompt``, ``completions`` (steps), ``labels``. Labels: from the dataset (``label_source: dataset``, default), or
-    Math-Shepherd estimates from ``rollouts`` completions of ``completer`` per step prefix (``mc_hard``: 1 if any
-    reaches the gold ``answer``; ``mc_soft``: the fraction that does; default N = 8 as in the paper); the last step is
-    labelled by its own final answer. Judge labels (Qwen PRM lessons, 2501.07301) are not implemented.
+    ``prompt``, ``completions`` (steps), ``labels``. Label sources (``label_source``):
+
+    * ``dataset`` (default): the dataset's ``labels`` column.
+    * ``mc_hard`` / ``mc_soft``: Math-Shepherd estimates from ``rollouts`` completions of ``completer`` per step prefix
+      (hard: 1 if any reaches the gold ``answer``; soft: the fraction that does; default N = 8 as in the paper); the
+      last step is labelled by its own final answer.
+    * ``judge``: LLM-as-judge labels (Qwen "lessons of developing PRMs", arXiv 2501.07301). Every step prefix
+      (question + steps 1..k, the last step included) is shown to the judge (``judge.path``: a local transformers
+      model, folder or ``embedded:<name>``; or ``judge.endpoint`` + ``judge.model``: an OpenAI-compatible server; the
+      backends and the verdict parser of ``llm_judge``), which rates whether step k is correct on
+      ``[judge.scale_min, judge.scale_max]`` (default 1-10, "Score: n", greedy). ``judge.labels: hard`` (default): 1
+      if score >= ``judge.threshold`` (default the scale's midpoint, 5.5: scores 6-10 are correct), else 0; ``soft``:
+      (s - min) / (max - min). Conventions: no gold answer is shown (the judge checks the step, as in the paper's
+      critic setting); an unparsable verdict or failed request gets ``judge.fallback`` (default 0: an unjudged step
+      counts as wrong, the conservative side for a PRM) and is counted: ``judge_summary`` holds
+      ``prm/judge/unparsable``, ``prm/judge/request_errors``, ``prm/judge/verdicts`` and a warning is logged. Cost: one
+      judge call per step. A ``stage:`` judge is refused (labels are built before the stage starts).
 
     **Use as a reward** (GRPO/RLOO, ``path`` set). A completion is split at ``separator`` into steps, tokenized as in
     training (``prompt + step + sep + ...``), and the step probabilities sigmoid(logit) are aggregated by
@@ -112,6 +148,8 @@ class PRM(Plugin):
     def __init__(self, params=None):
         super().__init__(params)
         self.scorer = PRMScorer(self.params)
+        self.judge_stats = None  # label_source judge: counts of the last labelling (verdicts, unparsable, errors)
+        self.judge_summary: dict[str, float] = {}
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
@@ -119,13 +157,34 @@ class PRM(Plugin):
         if stage.trainer == TRAINING:
             if p.path is not None:
                 errors.append(f"plugin {self.name!r}: params.path is for RL stages; a prm stage trains its model")
-            if p.label_source != "dataset" and p.completer is None:
+            if p.label_source.startswith("mc_") and p.completer is None:
                 errors.append(f"plugin {self.name!r}: params.completer is required with label_source {p.label_source!r}")
+            errors.extend(self._judge_errors())
             if p.completer is not None and p.completer.startswith(STAGE_PREFIX):
                 errors.append(f"plugin {self.name!r}: params.completer must be a folder or embedded:<name> (labels are "
                               "built before the stage starts)")
         elif p.path is None:
             errors.append(f"plugin {self.name!r}: params.path is required in a {stage.trainer} stage")
+        return errors
+
+    def _judge_errors(self) -> list[str]:
+        from trl_ext_plugins.rewards.llm_judge import backend_errors
+
+        p, j, name = self.params, self.params.judge, f"plugin {self.name!r}"
+        if p.label_source != "judge":
+            return [f"{name}: params.judge is only read with label_source 'judge'"] if j is not None else []
+        if j is None:
+            return [f"{name}: params.judge is required with label_source 'judge' (set judge.path to a local model or "
+                    "judge.endpoint + judge.model for an OpenAI-compatible server)"]
+        errors = [e.replace("params.", "params.judge.") for e in backend_errors(self.name, j)]
+        if j.path is not None and j.path.startswith(STAGE_PREFIX):
+            errors.append(f"{name}: params.judge.path must be a folder or embedded:<name> (labels are built before "
+                          "the stage starts)")
+        if j.scale_max <= j.scale_min:
+            errors.append(f"{name}: params.judge.scale_max must exceed params.judge.scale_min")
+        elif j.threshold is not None and not j.scale_min <= j.threshold <= j.scale_max:
+            errors.append(f"{name}: params.judge.threshold ({j.threshold}) must lie in [scale_min, scale_max] = "
+                          f"[{j.scale_min}, {j.scale_max}]")
         return errors
 
     @hookimpl
@@ -142,11 +201,45 @@ class PRM(Plugin):
 
         from trl_ext_plugins.rewards.steps import monte_carlo_step_labels, transformers_completer
 
+        if p.label_source == "judge":
+            return self._judge_labels(dataset)
         folder = resolve_ref(p.completer, Path(tempfile.mkdtemp(prefix="prm-completer-")))
         complete = transformers_completer(folder, p.max_new_tokens)
         soft = p.label_source == "mc_soft"
         return dataset.map(lambda row: {"labels": monte_carlo_step_labels(
             row["prompt"], row["completions"], row["answer"], complete, p.rollouts, p.separator, soft)})
+
+    def _judge_labels(self, dataset):
+        """``labels`` of every row from the judge (see :func:`steps.judge_step_labels`); the counts of verdicts,
+        unparsable verdicts and failed requests are kept in ``self.judge_stats`` and logged."""
+        import tempfile
+        from pathlib import Path
+
+        from trl_ext_plugins.rewards import judging
+        from trl_ext_plugins.rewards.llm_judge import make_backend
+        from trl_ext_plugins.rewards.steps import STEP_JUDGE_TEMPLATE, judge_step_labels
+
+        j = self.params.judge
+        if j is None or self._judge_errors():
+            raise ValueError("; ".join(self._judge_errors()))
+        if j.path is not None:
+            j = j.model_copy(update={"path": resolve_ref(j.path, Path(tempfile.mkdtemp(prefix="prm-judge-")))})
+        backend = make_backend(j)
+        stats = self.judge_stats = judging.JudgeStats(f"{self.name}/judge")
+        stats.start()
+
+        def label(batch):
+            return {"labels": judge_step_labels(
+                batch["prompt"], batch["completions"], backend, stats, j.scale_min, j.scale_max, j.labels == "soft",
+                j.threshold, j.fallback, j.template or STEP_JUDGE_TEMPLATE, judging.POINTWISE_INSTRUCTION[j.reasoning])}
+
+        out = dataset.map(label, batched=True, batch_size=max(j.batch_size, 64), load_from_cache_file=False)
+        summary = stats.metrics()
+        (logger.warning if stats.unparsable else logger.info)(
+            "prm judge labels: %d verdicts, %d unparsable (label %s), %d failed requests", stats.verdicts,
+            stats.unparsable, j.fallback, stats.errors)
+        self.judge_summary = {**summary, f"{self.name}/judge/verdicts": float(stats.verdicts)}
+        return out
 
     @hookimpl
     def trl_ext_reward_functions(self, stage):

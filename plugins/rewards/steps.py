@@ -1,4 +1,5 @@
-"""Step-level data for process reward models: an embedded multi-step arithmetic task and Math-Shepherd MC labels.
+"""Step-level data for process reward models: an embedded multi-step arithmetic task, Math-Shepherd MC labels and
+judge labels.
 
 Stepwise rows (the format the ``prm`` trainer reads): ``prompt``, ``completions`` (list of steps), ``labels`` (one
 number in [0, 1] per step), ``answer`` (gold final answer).
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from datasets import Dataset
 
-from trl_ext_plugins.rewards import formulas
+from trl_ext_plugins.rewards import formulas, judging
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -98,3 +100,42 @@ def transformers_completer(path: str, max_new_tokens: int = 16, temperature: flo
         return [texts[i * n:(i + 1) * n] for i in range(len(prefixes))]
 
     return complete
+
+
+STEP_JUDGE_TEMPLATE = (
+    "Is the latest step of this solution correct? Rate it on a scale of {low} (certainly wrong) to {high} "
+    "(certainly correct).\nQuestion: {prompt}\nPrevious steps:\n{previous}\nLatest step: {step}\n{instruction}"
+)
+
+
+def judge_step_prompts(prompt: Any, steps: Sequence[str], low: float, high: float, template: str = STEP_JUDGE_TEMPLATE,
+                       instruction: str = judging.POINTWISE_INSTRUCTION[False]) -> list[str]:
+    """One judge prompt per step prefix (question + steps 1..k): fields {prompt} {previous} (steps 1..k-1, one per
+    line, ``(none)`` for the first step) {step} (step k) {low} {high} {instruction}."""
+    fmt = lambda x: str(int(x)) if float(x).is_integer() else str(x)  # noqa: E731
+    question = judging.as_text(prompt)
+    return [template.format(prompt=question, previous="\n".join(steps[:k]) or "(none)", step=steps[k],
+                            low=fmt(low), high=fmt(high), instruction=instruction) for k in range(len(steps))]
+
+
+def judge_step_labels(prompts: Sequence[Any], step_lists: Sequence[Sequence[str]], backend, stats: judging.JudgeStats,
+                      low: float = 1.0, high: float = 10.0, soft: bool = False, threshold: float | None = None,
+                      fallback: float = 0.0, template: str = STEP_JUDGE_TEMPLATE,
+                      instruction: str = judging.POINTWISE_INSTRUCTION[False]) -> list[list[float]]:
+    """Judge step labels: every step prefix of every solution is scored by the judge ``backend`` (one
+    ``generate`` call for all of them, parsed by :func:`judging.parse_score` on ``[low, high]``) and the verdict is
+    turned into a label by :func:`formulas.judge_step_label` (soft: normalised score; hard: score >= ``threshold``,
+    default the scale's midpoint; unparsable or failed: ``fallback``, counted in ``stats``).
+    """
+    threshold = (low + high) / 2 if threshold is None else threshold
+    texts, counts = [], []
+    for prompt, steps in zip(prompts, step_lists, strict=True):
+        texts.extend(judge_step_prompts(prompt, steps, low, high, template, instruction))
+        counts.append(len(steps))
+    scores = judging.judge_scores(backend, texts, low, high, stats) if texts else []
+    labels = [formulas.judge_step_label(s, low, high, soft, threshold, fallback) for s in scores]
+    out, start = [], 0
+    for n in counts:
+        out.append(labels[start:start + n])
+        start += n
+    return out
