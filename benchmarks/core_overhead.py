@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import threading
 import time
 
-import psutil
 import trl
 from transformers import AutoTokenizer, TrainerCallback
 
@@ -23,6 +21,8 @@ from trl_ext.embedded.arithmetic import arithmetic_dataset, exact_match_reward
 from trl_ext.embedded.models import materialize_model
 from trl_ext.host import PluginHost
 from trl_ext.trainers.grpo import ExtGRPOTrainer
+from measure import PeakRSS  # benchmarks/measure.py; `python benchmarks/X.py` puts benchmarks/ on sys.path
+
 
 
 class StepTimer(TrainerCallback):
@@ -34,27 +34,6 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self._start)
-
-
-class PeakRSS:
-    def __init__(self):
-        self.process, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-    def __enter__(self):
-        self.base = self.process.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(0.005)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.delta = max(self.peak - self.base, 1)
 
 
 def run_once(cls, model_dir, steps, extra):

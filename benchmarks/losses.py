@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
 
-import psutil
 import torch
 import trl
 from datasets import Dataset
@@ -44,30 +42,10 @@ from trl_ext.trainers.grpo import ExtGRPOTrainer
 from trl_ext_plugins.corrections.icepop import IcePop
 from trl_ext_plugins.losses.aggregation import Aggregation
 from trl_ext_plugins.losses.dapo import DAPO
+from measure import PeakRSS  # benchmarks/measure.py; `python benchmarks/X.py` puts benchmarks/ on sys.path
+
 
 B, P, T = 16, 16, 2048
-
-
-class PeakRSS:
-    def __init__(self):
-        self.process, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-    def __enter__(self):
-        self.base = self.peak = self.process.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-        self.delta = max(self.peak - self.base, 1)
 
 
 class LargeAllocations(TorchDispatchMode):
