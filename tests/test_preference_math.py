@@ -133,3 +133,23 @@ def test_kto_numbers_clamp_and_detached_kl():
     assert weighted.tolist() == pytest.approx([2 * (1 - sigmoid(0.15)), 0.5 * (1 - sigmoid(0.15))], abs=1e-12)
     unpaired = pm.apo_zero_unpaired_loss(t(2.0, -1.0), torch.tensor([True, False]), 0.1)
     assert unpaired.tolist() == pytest.approx([1 - sigmoid(0.2), sigmoid(-0.1)], abs=1e-12)
+
+
+def test_dpo_nll_weight_adds_the_chosen_per_token_nll():
+    import torch
+
+    from trl_ext.batches import PreferenceInputs
+    from trl_ext_plugins.preference.dpo import DPO, DPOParams
+
+    chosen = torch.tensor([-2.0, -6.0], dtype=torch.float64, requires_grad=True)
+    pref = PreferenceInputs(chosen_logps=chosen, rejected_logps=torch.tensor([-3.0, -5.0], dtype=torch.float64),
+                            chosen_lengths=torch.tensor([2, 3]), rejected_lengths=torch.tensor([2, 3]),
+                            ref_chosen_logps=torch.tensor([-2.5, -6.0], dtype=torch.float64),
+                            ref_rejected_logps=torch.tensor([-3.0, -5.5], dtype=torch.float64), beta=0.1)
+    plain = DPO().trl_ext_preference_loss(pref)
+    mixed = DPO(DPOParams(nll_weight=0.5)).trl_ext_preference_loss(pref)
+    # -log sigmoid(0.1 * (0.5 - 0)) and -log sigmoid(0.1 * (0 - 0.5)), by hand
+    assert plain.tolist() == pytest.approx([0.668460, 0.718460], abs=1e-6)
+    assert (mixed - plain).tolist() == pytest.approx([0.5 * 2.0 / 2, 0.5 * 6.0 / 3], abs=1e-12)
+    mixed.sum().backward()
+    assert chosen.grad[1].item() < 0  # the NLL term pushes the chosen log-prob up

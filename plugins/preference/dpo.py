@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from trl_ext import NoParams, hookimpl, ops
+from pydantic import Field
+
+from trl_ext import PluginParams, hookimpl, ops
 from trl_ext_plugins.preference.common import PreferenceLoss
+
+
+class DPOParams(PluginParams):
+    nll_weight: float = Field(
+        0.0, ge=0,
+        description="weight alpha of a length-normalised NLL term on the chosen response (Iterative RPO, arXiv "
+                    "2404.19733); 0 is plain DPO",
+    )
 
 
 class DPO(PreferenceLoss):
@@ -13,13 +23,22 @@ class DPO(PreferenceLoss):
     completion tokens (the paper's and TRL's convention; SimPO/ORPO use means). ``beta`` is TRL's ``args.beta``
     (default 0.1, the paper's main setting; 0.5 for TL;DR). At initialisation (pi = pi_ref) the loss is ln 2.
     Parity with TRL's ``loss_type=["sigmoid"]`` is tested.
+
+    ``nll_weight`` (default 0) adds ``alpha * (-log pi(y_w)/|y_w|)``, the per-token NLL of the chosen response, as in
+    Iterative Reasoning Preference Optimization (Pang et al. 2024, arXiv 2404.19733). On self-generated pairs that
+    share most tokens, plain DPO can lower the chosen response's likelihood along with the rejected one's
+    ("likelihood displacement"); the NLL term keeps the chosen answer likely. Not TRL's ``["sigmoid", "sft"]`` mix,
+    which weights a summed NLL by ``loss_weights``.
     """
 
     name = "dpo"
-    Params = NoParams
+    Params = DPOParams
 
     @hookimpl
     def trl_ext_preference_loss(self, inputs):
         chosen = inputs.chosen_logps - inputs.ref_chosen_logps
         rejected = inputs.rejected_logps - inputs.ref_rejected_logps
-        return ops.dpo_sigmoid_loss(chosen, rejected, inputs.beta)
+        loss = ops.dpo_sigmoid_loss(chosen, rejected, inputs.beta)
+        if self.params.nll_weight:
+            loss = loss + self.params.nll_weight * (-inputs.chosen_mean_logps)
+        return loss
