@@ -171,3 +171,15 @@ def test_dpo_options_the_plugin_path_would_ignore_are_refused(tmp_path, capsys):
             "plugins": ["dpo"], "args": {"ld_alpha": 0.5}}
     code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
     assert code == 2 and "stages[0].args.ld_alpha" in err and "'dpo'" in err
+
+
+def test_missing_optional_package_is_a_validation_error(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    data = {**BASE, "trainer": "grpo", "plugins": ["math_verify"]}
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
+    assert code == 2
+    assert "stages[0].plugins[0]: plugin 'math_verify' needs the Python package 'math_verify'" in err
+    assert "pip install 'trl-ext[math]'" in err

@@ -112,6 +112,8 @@ def cmd_plugins_show(ns) -> int:
     print(f"slots:    {', '.join(sorted(s.value for s in cls.slots)) or 'none'}")
     print(f"needs:    {', '.join(sorted(n.value for n in cls.needs)) or 'none'}")
     print(f"hooks:    {', '.join(cls.implemented_hooks())}")
+    if cls.requires:
+        print(f"requires: {', '.join(requirement for _module, requirement in cls.requires)}")
     print("parameters:")
     table = cls.parameter_table()
     if not table:

@@ -83,6 +83,9 @@ class Plugin:
     slots: ClassVar[frozenset[Slot]] = frozenset()
     needs: ClassVar[frozenset[Need]] = frozenset()
     provides: ClassVar[frozenset[Need]] = frozenset()
+    # Optional third-party packages the plugin imports at run time, as (import name, pip requirement) pairs; a
+    # missing one is a validation error naming the plugin, before any model loads.
+    requires: ClassVar[tuple[tuple[str, str], ...]] = ()
     Params: ClassVar[type[BaseModel]] = NoParams
 
     def __init__(self, params: BaseModel | None = None):

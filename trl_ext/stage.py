@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,11 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
     args = {**default_args(kind), **({"seed": seed} if seed is not None else {}), **stage.args}
     errors += _merge_plugin_args(host, stage, index, args)
 
+    for j, plugin in enumerate(plugins):
+        for module, requirement in plugin.requires:
+            if importlib.util.find_spec(module) is None:
+                errors.append(f"{where}.plugins[{j}]: plugin {plugin.name!r} needs the Python package {module!r}: "
+                              f"pip install '{requirement}'")
     capabilities = kind.capabilities(stage, args) | {n for p in plugins for n in p.provides}
     for j, plugin in enumerate(plugins):
         for need in sorted(plugin.needs - capabilities, key=lambda n: n.value):

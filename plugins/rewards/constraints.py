@@ -57,6 +57,7 @@ class Constraints(Plugin):
     aliases = ("ifeval",)
     family = "reward"
     trainers = frozenset({"grpo", "rloo"})
+    requires = (("if_verifiable", "trl-ext[constraints]"),)
     Params = ConstraintsParams
 
     @hookimpl

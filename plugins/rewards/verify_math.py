@@ -70,6 +70,7 @@ class MathVerify(Plugin):
     name = "math_verify"
     family = "reward"
     trainers = frozenset({"grpo", "rloo"})
+    requires = (("math_verify", "trl-ext[math]"),)
     Params = MathVerifyParams
 
     @hookimpl
