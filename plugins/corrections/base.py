@@ -26,7 +26,8 @@ class RolloutCorrection(Plugin):
     drops_from_denominator = False  # True: out-of-band tokens leave the aggregation denominator (a mask, not weight 0)
 
     def weights(self, log_rho: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Abstract: each correction (tis, mis, icepop, m2po) returns (detached weight, changed-token flags)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement weights()")
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
