@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import Field
 
-from trl_ext import Plugin, hookimpl
+from trl_ext import hookimpl
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rewards import formulas, judging
-from trl_ext_plugins.rewards.llm_judge import JudgeBackendParams, backend_errors, make_backend
+from trl_ext_plugins.rewards.llm_judge import JudgeBackendParams, JudgeReward, backend_errors
 
 ITEM_MAX = 100.0
 
@@ -83,7 +83,7 @@ class ChecklistJudgeParams(JudgeBackendParams):
                             "parses; counted in the `checklist_judge/unparsable` metrics")
 
 
-class ChecklistJudge(Plugin):
+class ChecklistJudge(JudgeReward):
     """Checklist reward, RLCF (Viswanathan et al., arXiv 2507.18624): R(x, y) = sum_j w_j s_j / sum_j w_j.
 
     Each row carries its checklist ``[{item, weight, verifier}]`` in ``checklist_column`` (the paper's teacher-made
@@ -104,14 +104,7 @@ class ChecklistJudge(Plugin):
     """
 
     name = "checklist_judge"
-    family = "reward"
-    trainers = frozenset({"grpo", "rloo"})
     Params = ChecklistJudgeParams
-
-    def __init__(self, params=None):
-        super().__init__(params)
-        self.backend = None if backend_errors(self.name, self.params) else make_backend(self.params)
-        self.stats = judging.JudgeStats(self.name)
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):

@@ -80,7 +80,20 @@ def pairwise_rewards(verdicts: dict[tuple[int, int], float | None], size: int, a
     return [v if ok else fallback for v, ok in zip(values, informed)]
 
 
-class LLMJudge(Plugin):
+class JudgeReward(Plugin):
+    """Shared base of the judge-scored reward plugins (not selectable): builds the judge backend once from the
+    validated parameters (none when they are incomplete; validation then names the problem) and its counters."""
+
+    family = "reward"
+    trainers = frozenset({"grpo", "rloo"})
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.backend = None if backend_errors(self.name, self.params) else make_backend(self.params)
+        self.stats = judging.JudgeStats(self.name)
+
+
+class LLMJudge(JudgeReward):
     """LLM-as-a-judge reward (Zheng et al., arXiv 2306.05685; generative verifiers, GenRM arXiv 2408.15240).
 
     **Judge.** A local transformers causal LM (``path``: ``stage:``/``embedded:``/folder, loaded lazily and frozen on
@@ -103,14 +116,7 @@ class LLMJudge(Plugin):
     """
 
     name = "llm_judge"
-    family = "reward"
-    trainers = frozenset({"grpo", "rloo"})
     Params = LLMJudgeParams
-
-    def __init__(self, params=None):
-        super().__init__(params)
-        self.backend = None if backend_errors(self.name, self.params) else make_backend(self.params)
-        self.stats = judging.JudgeStats(self.name)
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
