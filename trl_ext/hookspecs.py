@@ -174,6 +174,10 @@ def trl_ext_generate(trainer: Any, prompts: list[Any], generate: Callable[[list[
     ``generate`` returns (TRL's 8-tuple: prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields,
     images, tool_images), typically by calling ``generate`` and adjusting, or ``None`` for TRL's generation.
 
+    The distillation trainer calls it too, with ``generate`` = ``DistillationTrainer._generate``, whose result is a
+    5-tuple (prompt_ids, completion_ids, tool_mask, images, tool_images); there ``trainer.generation_rows`` holds the
+    dataset rows of the prompts (e.g. for off-policy completions).
+
     Selection: first non-``None`` result wins; at most one plugin may claim the ``generation`` slot. Since 0.1.
     """
 

@@ -2,8 +2,9 @@
 own-stage teachers, BOND."""
 
 from trl_ext import hookimpl
+from trl_ext_plugins.distill.gkd import GKD
 
-PLUGINS: tuple = ()
+PLUGINS: tuple = (GKD,)
 
 
 @hookimpl

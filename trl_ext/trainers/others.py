@@ -1,5 +1,10 @@
 """Trainers whose seams are the generic ones (dataset, reward functions, trainer-created, after-stage): thin
-subclasses so every stage has a plugin host. They override no TRL method."""
+subclasses so every stage has a plugin host. Only the distillation trainer overrides TRL methods: its generation goes
+through ``trl_ext_generate`` (for GKD's on/off-policy mix).
+
+TRL 1.16 internals relied on: ``DistillationTrainer._generate(prompts)`` returns ``(prompt_ids, completion_ids,
+tool_mask, images, tool_images)`` (lists of token-id lists) and ``_generate_and_score_completions(inputs)`` receives the
+generation batch's dataset rows."""
 
 from __future__ import annotations
 
@@ -17,7 +22,18 @@ class ExtRewardTrainer(HostMixin, RewardTrainer):
 class ExtDistillationTrainer(HostMixin, DistillationTrainer):
     def __init__(self, *args, plugin_host, **kwargs):
         self._init_host(plugin_host)
+        self.generation_rows: list[dict] = []  # dataset rows of the generation batch being built (for plugins)
         super().__init__(*args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        self.generation_rows = inputs
+        return super()._generate_and_score_completions(inputs)
+
+    def _generate(self, prompts):
+        if not self.plugin_host.implements("trl_ext_generate"):
+            return super()._generate(prompts)
+        result = self.plugin_host.hook.trl_ext_generate(trainer=self, prompts=prompts, generate=super()._generate)
+        return super()._generate(prompts) if result is None else result
 
 
 class ExtRLOOTrainer(HostMixin, RLOOTrainer):
