@@ -5,8 +5,9 @@
     trl-ext plugins list [--json]
     trl-ext plugins show NAME
 
-Several processes: ``accelerate launch [--num_processes N] -m trl_ext.cli train RECIPE`` or
-``torchrun --nproc_per_node N -m trl_ext.cli train RECIPE``; every rank builds the same plugin host from the recipe.
+Several processes: a recipe's ``distributed:`` section makes ``trl-ext train`` start them itself (trl_ext/launch.py);
+``torchrun --nproc_per_node N -m trl_ext.cli train RECIPE`` or ``accelerate launch --multi_gpu --num_processes N -m
+trl_ext.cli train RECIPE`` work too. Every rank builds the same plugin host from the recipe.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def cmd_train(ns) -> int:
 
     recipe = _load_recipe(ns.recipe, ns.set)
     output_dir = ns.output_dir or recipe.output_dir or str(Path("runs") / Path(ns.recipe).stem)
+    spec = recipe.distributed
+    if spec is not None and spec.num_processes * spec.num_machines > 1:
+        from trl_ext.launch import already_launched, relaunch
+        from trl_ext.runner import resolve_recipe
+
+        if not already_launched():
+            resolve_recipe(recipe, Catalog.discover(), max_steps=ns.max_steps)  # report recipe errors once, here
+            return relaunch(spec, ns.argv, machine_rank=ns.machine_rank)
     try:
         run_recipe(recipe, output_dir, Catalog.discover(), max_steps=ns.max_steps)
     finally:
@@ -134,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-steps", type=int, help="cap every stage at N optimizer steps (smoke runs)")
     train.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                        help="override a recipe field, e.g. stages.sft.args.learning_rate=1e-4 (repeatable)")
+    train.add_argument("--machine-rank", type=int, help="this machine's rank in a multi-machine `distributed:` run")
     train.set_defaults(func=cmd_train)
 
     validate = sub.add_parser("validate", help="check a recipe without loading any model")
@@ -154,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # re-used verbatim when `distributed:` re-launches
     try:
         return ns.func(ns)
     except RecipeError as exc:

@@ -13,8 +13,10 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -25,6 +27,23 @@ STAGE_PREFIX = "stage:"
 EMBEDDED_PREFIX = "embedded:"
 # Fields trl-ext manages itself; setting them in `args` would fight the runner.
 MANAGED_ARGS = {"output_dir": "use the top-level `output_dir` or `trl-ext train --output-dir`"}
+
+# Bounds on the recipe file itself, so a hostile or broken file fails at load with one line (never after a model has
+# loaded, never by exhausting memory): a YAML alias bomb is a few hundred bytes that expand to billions of nodes.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_NODES = 200_000  # nodes after alias expansion
+MAX_YAML_DEPTH = 64
+# Names that become folder names under the output directory: no separator, no `..`, nothing hidden (`_embedded` and
+# dot-files belong to the runner), no dots (no clash with run.json or curves.png), at most 64 characters.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+def check_safe_name(value: str) -> str:
+    """Validator for names used as path components (stage names)."""
+    if not isinstance(value, str) or not SAFE_NAME.fullmatch(value):
+        raise ValueError(f"{value!r} is not a safe name: use 1-64 letters, digits, '_' or '-', starting with a letter "
+                         f"or digit (it becomes a folder under the output directory)")
+    return value
 
 
 class _Strict(BaseModel):
@@ -76,6 +95,11 @@ class StageSpec(_Strict):
     peft: PeftSpec | None = None
     evaluation: EvaluationSpec | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        return check_safe_name(value)
+
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _dataset_shorthand(cls, value: Any) -> Any:
@@ -101,16 +125,37 @@ class StageSpec(_Strict):
         return normalized
 
 
+class DistributedSpec(_Strict):
+    """Several processes from one ``trl-ext train`` (trl_ext/launch.py): torchrun is started by the CLI and the backend
+    becomes TRL arguments of every stage (a stage's own ``args`` win)."""
+
+    num_processes: int = Field(default=1, ge=1, description="processes per machine")
+    backend: Literal["ddp", "zero2", "zero3", "fsdp2"] = "ddp"
+    num_machines: int = Field(default=1, ge=1)
+    machine_rank: int = Field(default=0, ge=0, description="this machine's rank (or `trl-ext train --machine-rank`)")
+    main_process_ip: str = "127.0.0.1"
+    main_process_port: int | None = Field(default=None, ge=1, le=65535, description="default: a free port (1 machine)")
+
+    @model_validator(mode="after")
+    def _multi_node_needs_a_port(self) -> "DistributedSpec":
+        if self.num_machines > 1 and self.main_process_port is None:
+            raise ValueError("main_process_port is required when num_machines > 1")
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank {self.machine_rank} is not below num_machines {self.num_machines}")
+        return self
+
+
 class Recipe(_Strict):
     output_dir: str | None = None
     seed: int | None = None
+    distributed: DistributedSpec | None = None
     stages: list[StageSpec] = Field(min_length=1)
 
     @model_validator(mode="before")
     @classmethod
     def _single_stage_shorthand(cls, data: Any) -> Any:
         if isinstance(data, dict) and "stages" not in data and "trainer" in data:
-            top = {k: data[k] for k in ("output_dir", "seed") if k in data}
+            top = {k: data[k] for k in ("output_dir", "seed", "distributed") if k in data}
             stage = {k: v for k, v in data.items() if k not in top}
             return {**top, "stages": [stage]}
         return data
@@ -131,27 +176,104 @@ class Recipe(_Strict):
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
-    """Read a recipe file; it must be YAML holding a mapping."""
+    """Read a recipe file: UTF-8 YAML holding a mapping, within the size, alias-expansion and nesting bounds."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{path}: is a directory, not a recipe file")
     if not path.is_file():
         raise RecipeError(f"{path}: no such recipe file")
+    with path.open("rb") as handle:
+        raw = handle.read(MAX_RECIPE_BYTES + 1)
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: larger than {MAX_RECIPE_BYTES} bytes; a recipe this large is not a recipe")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from None
+    if not text.strip():
+        raise RecipeError(f"{path}: the file is empty")
+    data = safe_yaml(text, str(path))
+    if data is None:
+        raise RecipeError(f"{path}: holds no YAML content (only comments?)")
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping, got {type(data).__name__}")
     return data
 
 
+def safe_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` with the alias expansion and nesting depth bounded before anything is constructed.
+
+    PyYAML composes aliases as shared nodes, so composing is linear in the text; the expanded size is then counted on
+    the node graph (memoised per node) and a bomb is refused before construction could expand it.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_node_graph(node, where)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{where}: not valid YAML: {' '.join(str(exc).split())}") from None
+    finally:
+        loader.dispose()
+
+
+def _check_node_graph(root: yaml.Node, where: str) -> None:
+    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded node count, depth)
+    active: set[int] = set()
+
+    def visit(node: yaml.Node) -> tuple[int, int]:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise RecipeError(f"{where}: a YAML alias refers to itself (recursive structure)")
+        if len(active) >= MAX_YAML_DEPTH:
+            raise RecipeError(f"{where}: YAML nested deeper than {MAX_YAML_DEPTH} levels")
+        active.add(key)
+        count, depth = 1, 0
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [item for pair in node.value for item in pair]
+        else:
+            children = []
+        for child in children:
+            child_count, child_depth = visit(child)
+            count, depth = count + child_count, max(depth, child_depth + 1)
+            if count > MAX_YAML_NODES:
+                raise RecipeError(f"{where}: YAML expands to more than {MAX_YAML_NODES} values (alias bomb?)")
+        active.discard(key)
+        sizes[key] = (count, depth)
+        return count, depth
+
+    visit(root)
+
+
+def nonfinite_numbers(value: Any, path: str = "") -> list[str]:
+    """Paths of NaN/inf numbers anywhere in ``value`` (also NaN/inf spelled as strings, which numeric fields accept)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [path or "<recipe>"]
+    if isinstance(value, str) and value.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity"):
+        return [path or "<recipe>"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in nonfinite_numbers(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in nonfinite_numbers(v, f"{path}[{i}]")]
+    return []
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set PATH=VALUE`` overrides (VALUE parsed as YAML). Path parts are keys, list indices, or stage names."""
+    """Apply ``--set PATH=VALUE`` overrides (VALUE parsed as YAML). Path parts are keys, list indices, or stage names.
+
+    A key that does not exist is created; the schema then refuses it like a misspelt key in the file."""
     for item in overrides:
-        if "=" not in item:
-            raise RecipeError(f"--set {item!r}: expected PATH=VALUE")
-        path, raw_value = item.split("=", 1)
-        value = _parse_scalar(raw_value)
-        parts = [p for p in path.replace("[", ".").replace("]", "").split(".") if p]
+        path, sep, raw_value = item.partition("=")
+        parts = path.replace("[", ".").replace("]", "").split(".")
+        if not sep or not path.strip() or any(not p.strip() for p in parts):
+            raise RecipeError(f"--set {item!r}: expected PATH=VALUE with a dotted PATH such as stages.sft.args.max_steps")
+        value = _parse_scalar(raw_value, path)
         node: Any = data
         for depth, part in enumerate(parts):
             last = depth == len(parts) - 1
@@ -171,9 +293,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _parse_scalar(raw: str) -> Any:
+def _parse_scalar(raw: str, path: str) -> Any:
     """YAML-parse a --set value; PyYAML (YAML 1.1) reads 1e-3 as a string, so numeric strings become floats."""
-    value = yaml.safe_load(raw)
+    value = safe_yaml(raw, f"--set {path}") if raw.strip() else ""
     if isinstance(value, str):
         try:
             return float(value)
@@ -193,6 +315,9 @@ def _list_index(node: list, part: str, path: str) -> int:
 
 def parse_recipe(data: dict[str, Any]) -> Recipe:
     """Schema validation with field paths in every message."""
+    nonfinite = nonfinite_numbers(data)
+    if nonfinite:
+        raise RecipeError([f"{p}: NaN and infinity are not accepted; give a finite number" for p in nonfinite])
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
@@ -215,14 +340,15 @@ def _format_loc(loc: tuple) -> str:
 
 
 def validate_recipe(recipe: Recipe, catalog) -> list[str]:
-    """Every problem in the recipe, as field-path-prefixed messages (empty when valid). Loads no model."""
-    from trl_ext.stage import resolve_stage  # local: stage imports trainers, which import TRL
-
+    """Problems between stages and with installed names (stage references, duplicate names, embedded models and
+    datasets), as field-path-prefixed messages (empty when valid). Each stage's own checks are
+    :func:`trl_ext.stage.resolve_stage`'s; ``trl_ext.runner.resolve_recipe`` runs both. Loads no model."""
     errors: list[str] = []
     names = [s.name for s in recipe.stages]
+    folded = [n.casefold() for n in names]  # stage folders must differ on case-insensitive file systems too
     for index, stage in enumerate(recipe.stages):
         where = f"stages[{index}]"
-        if names.count(stage.name) > 1:
+        if folded.count(stage.name.casefold()) > 1:
             errors.append(f"{where}.name: stage name {stage.name!r} is used more than once")
         for field_name in ("model", "ref_model", "teacher"):
             ref = getattr(stage, field_name)
@@ -232,15 +358,42 @@ def validate_recipe(recipe: Recipe, catalog) -> list[str]:
                     errors.append(f"{where}.{field_name}: {ref!r} does not name an earlier stage (earlier: {names[:index]})")
             elif ref and ref.startswith(EMBEDDED_PREFIX) and ref[len(EMBEDDED_PREFIX):] not in catalog.models:
                 errors.append(_unknown(f"{where}.{field_name}", "embedded model", ref[len(EMBEDDED_PREFIX):], catalog.models))
-        for field_name in ("dataset", "eval_dataset"):
-            spec = getattr(stage, field_name)
+        errors.extend(_plugin_stage_ref_errors(stage, index, names, catalog))
+        datasets = {"dataset": stage.dataset, "eval_dataset": stage.eval_dataset,
+                    "evaluation.dataset": stage.evaluation.dataset if stage.evaluation else None}
+        for field_name, spec in datasets.items():
             if spec and spec.source.startswith(EMBEDDED_PREFIX) and spec.source[len(EMBEDDED_PREFIX):] not in catalog.datasets:
                 errors.append(_unknown(f"{where}.{field_name}.source", "embedded dataset", spec.source[len(EMBEDDED_PREFIX):], catalog.datasets))
-        try:
-            resolve_stage(stage, index, catalog)
-        except RecipeError as exc:
-            errors.extend(exc.messages)
     return errors
+
+
+def _plugin_stage_ref_errors(stage: StageSpec, index: int, names: list[str], catalog) -> list[str]:
+    """``stage:<name>`` values in a plugin's validated parameters (teachers, pair models ...) must name earlier stages,
+    since a stage only starts after the stages before it have finished."""
+    plugins, _ = instantiate_plugins(stage, index, catalog)
+    positions = {}
+    for j, selection in enumerate(stage.plugins):
+        try:
+            positions.setdefault(catalog.resolve(selection.name).cls.name, j)
+        except UnknownPluginError:
+            continue
+    errors = []
+    for plugin in plugins:
+        for path, ref in _string_leaves(plugin.params.model_dump(mode="json")):
+            if ref.startswith(STAGE_PREFIX) and ref[len(STAGE_PREFIX):] not in names[:index]:
+                errors.append(f"stages[{index}].plugins[{positions.get(plugin.name, '?')}].params.{path}: {ref!r} does "
+                              f"not name an earlier stage (earlier: {names[:index]}; plugin {plugin.name!r})")
+    return errors
+
+
+def _string_leaves(value: Any, path: str = "") -> list[tuple[str, str]]:
+    if isinstance(value, str):
+        return [(path, value)]
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _string_leaves(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, list):
+        return [leaf for i, v in enumerate(value) for leaf in _string_leaves(v, f"{path}[{i}]")]
+    return []
 
 
 def _unknown(where: str, kind: str, name: str, table: dict) -> str:
@@ -267,9 +420,71 @@ def check_args_fields(args: dict[str, Any], config_cls: type, where: str) -> lis
                 args[key] = TypeAdapter(hints[key]).validate_python(value)
             except ValidationError as exc:
                 errors.append(f"{where}.args.{key}: {exc.errors()[0]['msg']} (got {value!r})")
+                continue
             except Exception:  # an annotation pydantic cannot model: leave the check to the config class
                 pass
+        if key in fields:
+            problem = arg_range_problem(key, args[key])
+            if problem:
+                errors.append(f"{where}.args.{key}: {problem} (got {args[key]!r})")
     return errors
+
+
+# Ranges of the TRL/transformers arguments whose bad values TRL accepts and only fails on (or silently misuses) while
+# training: (lower, lower inclusive, upper, upper inclusive); None = unbounded. `max_steps` also takes TRL's -1
+# ("train by epochs"). Every other float is still checked for NaN/inf.
+ARG_RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
+    "learning_rate": (0, False, None, False),
+    "num_train_epochs": (0, False, None, False),
+    "max_steps": (1, True, None, False),
+    "per_device_train_batch_size": (1, True, None, False),
+    "per_device_eval_batch_size": (1, True, None, False),
+    "gradient_accumulation_steps": (1, True, None, False),
+    "logging_steps": (0, False, None, False),
+    "save_steps": (0, False, None, False),
+    "eval_steps": (0, False, None, False),
+    "save_total_limit": (1, True, None, False),
+    "warmup_steps": (0, True, None, False),
+    "warmup_ratio": (0, True, 1, True),
+    "weight_decay": (0, True, None, False),
+    "max_grad_norm": (0, True, None, False),
+    "adam_beta1": (0, True, 1, False),
+    "adam_beta2": (0, True, 1, False),
+    "adam_epsilon": (0, False, None, False),
+    "num_generations": (1, True, None, False),
+    "generation_batch_size": (1, True, None, False),
+    "steps_per_generation": (1, True, None, False),
+    "num_iterations": (1, True, None, False),
+    "max_length": (1, True, None, False),
+    "max_prompt_length": (1, True, None, False),
+    "max_completion_length": (1, True, None, False),
+    "temperature": (0, False, None, False),
+    "top_p": (0, False, 1, True),
+    "min_p": (0, True, 1, True),
+    "top_k": (0, True, None, False),
+    "repetition_penalty": (0, False, None, False),
+    "epsilon": (0, True, None, False),
+    "epsilon_high": (0, True, None, False),
+    "label_smoothing": (0, True, 0.5, True),
+    "dataloader_num_workers": (0, True, None, False),
+}
+
+
+def arg_range_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` is out of range for the TRL argument ``key`` (None when it is fine or not a number)."""
+    numbers = value if isinstance(value, (list, tuple)) else [value]
+    numbers = [v for v in numbers if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if any(not math.isfinite(v) for v in numbers):
+        return "NaN and infinity are not accepted; give a finite number"
+    if key not in ARG_RANGES or not numbers or (key == "max_steps" and value == -1):
+        return None
+    lo, lo_incl, hi, hi_incl = ARG_RANGES[key]
+    for v in numbers:
+        if lo is not None and (v < lo or (v == lo and not lo_incl)):
+            return f"must be {'>=' if lo_incl else '>'} {lo}" + (" (or -1: train by epochs)" if key == "max_steps" else "")
+        if hi is not None and (v > hi or (v == hi and not hi_incl)):
+            return f"must be {'<=' if hi_incl else '<'} {hi}"
+    return None
 
 
 def _type_hints(config_cls: type) -> dict[str, Any]:
@@ -305,6 +520,11 @@ def instantiate_plugins(stage: StageSpec, index: int, catalog) -> tuple[list, li
             for err in exc.errors():
                 loc = _format_loc(err["loc"])
                 errors.append(f"{where}.params{'.' + loc if loc != '<recipe>' else ''}: {err['msg']} (plugin {cls.name!r})")
+            continue
+        # Only what the recipe set: a plugin may default a bound to infinity on purpose.
+        nonfinite = nonfinite_numbers(params.model_dump(exclude_unset=True))
+        if nonfinite:
+            errors.extend(f"{where}.params.{p}: NaN and infinity are not accepted (plugin {cls.name!r})" for p in nonfinite)
             continue
         plugins.append(cls(params))
     seen = {}

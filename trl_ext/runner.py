@@ -42,7 +42,11 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 
 def resolve_recipe(recipe: Recipe, catalog, max_steps: int | None = None) -> list[ResolvedStage]:
     """Resolve every stage (all errors of all stages reported together). Loads no model."""
+    backend_errors = check_distributed(recipe)
+    if backend_errors:  # the stages' configs cannot even be built without the backend
+        raise RecipeError(backend_errors)
     resolved, errors = [], []
+    recipe = with_backend_args(recipe)
     for index, stage in enumerate(recipe.stages):
         try:
             resolved.append(resolve_stage(stage, index, catalog, seed=recipe.seed, extra_args=_cap(stage, max_steps)))
@@ -54,6 +58,29 @@ def resolve_recipe(recipe: Recipe, catalog, max_steps: int | None = None) -> lis
     if errors:
         raise RecipeError(errors)
     return resolved
+
+
+def check_distributed(recipe: Recipe) -> list[str]:
+    """The ``distributed`` section's needs that the schema cannot see (installed backends)."""
+    import importlib.util
+
+    spec = recipe.distributed
+    if spec is not None and spec.backend in ("zero2", "zero3") and importlib.util.find_spec("deepspeed") is None:
+        return [f"distributed.backend: {spec.backend!r} needs DeepSpeed: pip install 'trl-ext[deepspeed]'"]
+    return []
+
+
+def with_backend_args(recipe: Recipe) -> Recipe:
+    """The recipe with the ``distributed`` backend's TRL arguments under every stage's own ``args``."""
+    if recipe.distributed is None:
+        return recipe
+    import torch
+
+    from trl_ext.launch import backend_args
+
+    base = backend_args(recipe.distributed.backend, cuda=torch.cuda.is_available())
+    stages = [s.model_copy(update={"args": {**base, **s.args}}) for s in recipe.stages]
+    return recipe.model_copy(update={"stages": stages})
 
 
 def _cap(stage: StageSpec, max_steps: int | None) -> dict[str, Any] | None:

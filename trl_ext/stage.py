@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,10 @@ def default_args(kind: TrainerKind) -> dict[str, Any]:
     if not torch.cuda.is_available():
         # TRL configs default to bf16=True, which fails to build on a CPU-only machine.
         defaults["bf16"] = False
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Without use_cpu, accelerate on a CPU-only machine starts no process group: every rank would train its
+            # own copy into the same folder.
+            defaults["use_cpu"] = True
     return defaults
 
 

@@ -1,0 +1,138 @@
+"""Two CPU processes (gloo) under each backend train exactly what one process trains on the same global batch.
+
+A recipe's ``distributed:`` section makes ``trl-ext train`` start torchrun itself (trl_ext/launch.py). For DDP, FSDP2 and
+DeepSpeed ZeRO-2/3, SFT and DPO run one optimizer step on 2 processes x 4 rows and on 1 process x 8 rows from the same
+seed; the logged loss must agree to 1e-5 (relative) and every weight to 1e-5 (absolute; the step is taken at lr 1e-3,
+so the weights move by ~1e-3, and a wrong reduction of the loss or the gradient shows as a difference of that order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trl_ext.launch import already_launched, backend_args, launch_command
+from trl_ext.recipe import DistributedSpec, parse_recipe
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is an extra: pip install 'trl-ext[deepspeed]' "
+                                                               "(.ci/run installs it for this file)")
+GLOBAL_BATCH = 8
+STAGES = {
+    "sft": {"dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 64},
+            "plugins": ["sft"], "args": {"max_length": 32}},
+    "dpo": {"dataset": {"source": "embedded:arithmetic", "params": {"format": "preference"}, "limit": 64},
+            "plugins": ["dpo"], "args": {"max_length": 32, "beta": 0.1}},
+}
+
+
+# -- pure parts (fast) -------------------------------------------------------------------------------------------------
+
+
+def test_backend_args_select_the_trainer_backends():
+    assert backend_args("ddp", cuda=True) == {}
+    assert backend_args("ddp", cuda=False) == {"use_cpu": True}
+    assert backend_args("zero2", cuda=True)["deepspeed"]["zero_optimization"] == {"stage": 2}
+    assert backend_args("zero3", cuda=True)["deepspeed"]["zero_optimization"]["stage"] == 3
+    assert backend_args("fsdp2", cuda=True) == {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}}
+
+
+def test_launch_command_single_and_multi_node():
+    single = launch_command(DistributedSpec(num_processes=2, main_process_port=29555), ["train", "r.yaml"])
+    assert single == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29555",
+                      "-m", "trl_ext.cli", "train", "r.yaml"]
+    multi = DistributedSpec(num_processes=8, num_machines=2, main_process_ip="10.0.0.1", main_process_port=29500)
+    command = launch_command(multi, ["train", "r.yaml"], machine_rank=1)
+    assert command[command.index("--nnodes") + 1] == "2" and command[command.index("--node_rank") + 1] == "1"
+    assert command[command.index("--master_addr") + 1] == "10.0.0.1"
+    assert already_launched({"WORLD_SIZE": "2"}) and not already_launched({})
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"num_processes": 0}, "distributed.num_processes"),
+    ({"backend": "zero4"}, "distributed.backend"),
+    ({"num_machines": 2}, "main_process_port is required"),
+    ({"num_machines": 2, "machine_rank": 2, "main_process_port": 1234}, "machine_rank 2 is not below"),
+])
+def test_bad_distributed_sections_are_refused_naming_the_field(section, message):
+    from trl_ext.errors import RecipeError
+
+    with pytest.raises(RecipeError) as info:
+        parse_recipe({"distributed": section, "trainer": "sft", "model": "m", "dataset": "d"})
+    assert message in str(info.value)
+
+
+@pytest.mark.skipif(HAS_DEEPSPEED, reason="checks the message shown when DeepSpeed is missing")
+def test_zero_without_deepspeed_names_the_extra(tmp_path):
+    recipe = _write_recipe(tmp_path / "r.yaml", "sft", per_device=4, distributed={"num_processes": 2, "backend": "zero2"})
+    result = subprocess.run([sys.executable, "-m", "trl_ext.cli", "validate", str(recipe)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2
+    assert "distributed.backend: 'zero2' needs DeepSpeed: pip install 'trl-ext[deepspeed]'" in result.stderr
+
+
+# -- two processes against one (slow) ----------------------------------------------------------------------------------
+
+
+def _write_recipe(path: Path, trainer: str, per_device: int, distributed: dict | None = None) -> Path:
+    stage = STAGES[trainer]
+    recipe = {"seed": 0, "name": trainer, "trainer": trainer, "model": "embedded:tiny-qwen2",
+              "dataset": stage["dataset"], "plugins": stage["plugins"],
+              "args": {"max_steps": 1, "per_device_train_batch_size": per_device, "learning_rate": 1e-3,
+                       "logging_steps": 1, "save_strategy": "no", "gradient_checkpointing": False, **stage["args"]}}
+    if distributed:
+        recipe["distributed"] = distributed
+    path.write_text(json.dumps(recipe))
+    return path
+
+
+def _train(tmp_path: Path, trainer: str, per_device: int, distributed: dict | None = None):
+    out = tmp_path / "out"
+    recipe = _write_recipe(tmp_path / "recipe.yaml", trainer, per_device, distributed)
+    result = subprocess.run([sys.executable, "-m", "trl_ext.cli", "train", str(recipe), "--output-dir", str(out)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("trl-ext run summary") == 1  # one main process, not two independent trainings
+    rows = [json.loads(line) for line in (out / trainer / "metrics.jsonl").read_text().splitlines()]
+    loss = next(row["loss"] for row in rows if "loss" in row)
+    return loss, load_file(str(out / trainer / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    cache: dict[str, tuple] = {}
+
+    def get(trainer: str):
+        if trainer not in cache:
+            cache[trainer] = _train(tmp_path_factory.mktemp(f"one_{trainer}"), trainer, per_device=GLOBAL_BATCH)
+        return cache[trainer]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", pytest.param("zero2", marks=NEEDS_DEEPSPEED),
+                                     pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
+def test_two_processes_equal_one(tmp_path, one_process, backend, trainer):
+    ref_loss, ref_weights = one_process(trainer)
+    loss, weights = _train(tmp_path, trainer, per_device=GLOBAL_BATCH // 2,
+                           distributed={"num_processes": 2, "backend": backend})
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert weights.keys() == ref_weights.keys()
+    initial = load_file(str(next((tmp_path / "out" / "_embedded").glob("*/model.safetensors"))))
+    moved = max((ref_weights[k].float() - initial[k].float()).abs().max().item() for k in ref_weights)
+    assert moved > 1e-4  # the step really changed the weights, so equality below is not vacuous
+    worst = max((weights[k].float() - ref_weights[k].float()).abs().max().item() for k in ref_weights)
+    assert worst < 1e-5, f"{backend}/{trainer}: max weight difference {worst:.3g} against one process"
+    torch.testing.assert_close(weights["lm_head.weight"] if "lm_head.weight" in weights else
+                               weights["model.embed_tokens.weight"],
+                               ref_weights["lm_head.weight"] if "lm_head.weight" in ref_weights else
+                               ref_weights["model.embed_tokens.weight"], rtol=0, atol=1e-5)
