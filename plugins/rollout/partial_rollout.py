@@ -1,0 +1,306 @@
+"""``partial_rollout``: stop generating once a fraction lambda of the batch has finished; resume the rest next step."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import Field
+from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
+
+from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
+from trl_ext.batches import TokenWeights
+from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
+from trl_ext_plugins.rollout.rollout_logprobs import sampled_token_logprobs
+
+STALE_KEY = "partial_rollout_stale"  # RolloutBatch.loss_extras key: 1.0 on tokens of an older policy version
+BUFFER_FILE = "partial_rollout_rank{rank}.json"
+
+
+class PartialRolloutParams(PluginParams):
+    finish_fraction: float = Field(0.75, gt=0.0, le=1.0, description="lambda: generation stops once ceil(lambda * N) "
+                                   "of the N trajectories of this rank's generation batch have finished (EOS or "
+                                   "max_completion_length). 1 = plain generation.")
+    mask_offpolicy: bool = Field(False, description="Give tokens sampled by an older policy version zero loss weight "
+                                 "(slime's --mask-offpolicy-in-partial-rollout); false keeps them, corrected only by "
+                                 "importance-sampling plugins through their recorded sampling log-probs.")
+
+
+@dataclass
+class Trajectory:
+    """One sample's completion so far: token ids, their sampling log-probs and the policy version (optimizer step)
+    that sampled each token."""
+
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class PendingGroup:
+    """A prompt group with at least one unfinished trajectory: its dataset rows and its G trajectories."""
+
+    rows: list[dict]
+    samples: list[Trajectory]
+
+
+class StopWhenEnoughFinished(StoppingCriteria):
+    """Per-row stop at EOS or at the row's own token budget; all rows stop once ``target`` rows have finished.
+
+    transformers pads a finished row from then on and ends ``generate`` when every row is done, so returning all-True
+    ends the call right after the step in which the ``target``-th row finished.
+    """
+
+    def __init__(self, prompt_width: int, budgets: list[int], eos_ids: list[int], target: int):
+        self.prompt_width = prompt_width
+        self.budgets = torch.tensor(budgets)
+        self.eos_ids = torch.tensor(eos_ids)
+        self.target = target
+        self.done = torch.zeros(len(budgets), dtype=torch.bool)
+        self.steps = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.steps = input_ids.shape[1] - self.prompt_width
+        last = input_ids[:, -1].cpu()
+        self.done |= torch.isin(last, self.eos_ids) | (self.steps >= self.budgets)
+        if int(self.done.sum()) >= self.target:
+            return torch.ones_like(self.done).to(input_ids.device)
+        return self.done.clone().to(input_ids.device)
+
+
+class PartialRollout(Plugin):
+    """Partial rollouts (Kimi k1.5, arXiv 2501.12599; APRIL, arXiv 2509.18521; ALGORITHMS.md item 44).
+
+    In training, generation stops once ``ceil(lambda * N)`` of the ``N`` trajectories of this rank's generation batch
+    have finished (``finish_fraction``, default 0.75). The unfinished trajectories keep their tokens, their per-token
+    sampling log-probs and the policy version (``trainer.state.global_step``) of every token; their whole prompt group
+    waits in a buffer and takes the first slots of the next generation batch, where its unfinished trajectories
+    continue (prompt + prefix fed back unchanged, so the prefix stays byte-identical) under the then-current policy,
+    with the remaining budget ``max_completion_length - len(prefix)``; finished members wait unchanged. The fresh
+    prompts displaced by resumed groups are skipped for this step (APRIL discards over-provisioned requests likewise).
+
+    Conventions chosen:
+
+    * the unit of buffering is the prompt group (GRPO advantages need whole groups): a group trains in the step in
+      which its last trajectory finishes; groups still unfinished get zero advantage and a zero completion mask in
+      this step (``trl_ext_filter_groups``), so they leave every token count;
+    * the stop rule counts per rank (no collective inside generation); a trajectory cut by ``max_completion_length``
+      counts as finished (TRL's ``clipped_ratio``); already-finished members of resumed groups count too, and at
+      least one more trajectory always finishes per call so generation always progresses;
+    * the sampling log-probs come from the processed scores of the step that sampled each token (as
+      ``rollout_logprobs``), so the plugin provides ``sampling_logprobs``: importance-sampling plugins (tis, mis,
+      icepop, m2po) then correct the stale segment; ``mask_offpolicy: true`` removes it from the loss instead (a mask,
+      so it also leaves the aggregation denominator);
+    * the buffer is saved with every checkpoint (``partial_rollout_rank<r>.json`` in the checkpoint folder) and
+      restored when training resumes from it, so no prefix is lost;
+    * evaluation generates every trajectory to the end (plain TRL generation). Transformers generation only (no vLLM,
+      tools, continuous batching or multimodal prompts); it fills the ``generation`` and ``refill`` slots, so it does
+      not combine with ``rollout_logprobs`` or ``dynamic_sampling``.
+
+    Logged per generation batch: ``partial_rollout/buffer_groups`` (groups waiting after this step),
+    ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
+    ``partial_rollout/versions_per_trajectory`` (mean distinct policy versions per trained trajectory),
+    ``partial_rollout/staleness_max`` (current step minus the oldest version of a trained token) and
+    ``partial_rollout/generation_steps`` (decoding steps of this call).
+    """
+
+    name = "partial_rollout"
+    family = "rollout"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.GENERATION, Slot.REFILL})
+    provides = frozenset({Need.SAMPLING_LOGPROBS})
+    Params = PartialRolloutParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.buffer: list[PendingGroup] = []
+        self._plan: list[Trajectory | None] | None = None  # this round's slots: resumed trajectory or None (fresh)
+        self._states: list[Trajectory] | None = None  # this round's trajectories after generation
+        self._last_steps = 0  # decoding steps of the last generation call (logged)
+        self.history: list[dict[str, float]] = []
+
+    # -- validation -------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        errors = [f"args.{key}: plugin {self.name!r} runs transformers generation; remove it when `{key}` is set"
+                  for key in ("use_vllm", "use_transformers_continuous_batching") if stage.args.get(key)]
+        if stage.args.get("num_generations", 8) is not None and stage.args.get("num_generations", 8) < 1:
+            errors.append(f"plugin {self.name!r}: args.num_generations must be at least 1")
+        return errors or None
+
+    # -- the generation batch: resumed groups first, fresh prompts after ----------------------------------------------
+
+    @hookimpl
+    def trl_ext_refill_groups(self, trainer, inputs, score):
+        G = trainer.num_generations
+        if len(inputs) % G:
+            raise ValueError(f"plugin {self.name!r}: this rank's generation batch ({len(inputs)} rows) does not hold "
+                             f"whole groups of {G}; make the per-device generation batch a multiple of num_generations")
+        capacity = len(inputs) // G
+        resumed, self.buffer = self.buffer[:capacity], self.buffer[capacity:]
+        rows = [row for group in resumed for row in group.rows] + list(inputs[: len(inputs) - G * len(resumed)])
+        self._plan = [copy.deepcopy(s) for group in resumed for s in group.samples]
+        self._plan += [None] * (len(inputs) - len(self._plan))
+        resumed_trajectories = sum(not s.finished for group in resumed for s in group.samples)
+        try:
+            output, _keep = score(rows)
+        finally:
+            self._plan = None
+        states, self._states = self._states, None
+        for start in range(0, len(states), G):
+            if not all(s.finished for s in states[start:start + G]):
+                self.buffer.append(PendingGroup(rows[start:start + G], states[start:start + G]))
+        record = self._record(trainer, states, G, resumed_trajectories)
+        self.history.append(record)
+        trainer._log_plugin_metrics(record)
+        return output
+
+    def _record(self, trainer, states, G, resumed_trajectories):
+        step = trainer.state.global_step
+        trained = [s for start in range(0, len(states), G) if all(x.finished for x in states[start:start + G])
+                   for s in states[start:start + G]]
+        versions = [s.versions for s in trained if s.versions]
+        return {
+            "partial_rollout/buffer_groups": len(self.buffer),
+            "partial_rollout/resumed_trajectories": resumed_trajectories,
+            "partial_rollout/trained_fraction": len(trained) / len(states),
+            "partial_rollout/versions_per_trajectory": (sum(versions_per_trajectory(versions)) / len(versions)
+                                                        if versions else 1.0),
+            "partial_rollout/staleness_max": max((step - min(v) for v in versions), default=0),
+            "partial_rollout/generation_steps": self._last_steps,
+        }
+
+    # -- generation -------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_generate(self, trainer, prompts, generate):
+        if not trainer.model.training or self._plan is None:
+            return generate(prompts)
+        if trainer.use_vllm or trainer.use_transformers_continuous_batching or trainer.tools:
+            raise RuntimeError(f"plugin {self.name!r} supports only plain transformers generation without tools")
+        # TRL's _generate calls self._generate_single_turn; shadow it on the instance for this one call only.
+        trainer._generate_single_turn = lambda prompt_ids, images, multimodal_fields, num_generations, \
+            has_tool_images=False: self._continue(trainer, prompt_ids, images, multimodal_fields)
+        try:
+            return generate(prompts)
+        finally:
+            del trainer._generate_single_turn
+
+    def _continue(self, trainer, prompt_ids, images, multimodal_fields):
+        """Generate the unfinished trajectories of this round until the stop rule; return TRL's (ids, logprobs)."""
+        from trl.models import unwrap_model_for_generation
+        from trl.trainer.utils import pad
+
+        if images is not None or multimodal_fields:
+            raise RuntimeError(f"plugin {self.name!r} does not support multimodal prompts")
+        plan = self._plan
+        states = [copy.deepcopy(p) if p is not None else Trajectory() for p in plan]
+        active = [i for i, s in enumerate(states) if not s.finished]
+        max_len = trainer.max_completion_length
+        already = len(states) - len(active)
+        target = max(1, finish_target(len(states), self.params.finish_fraction) - already)
+        self._last_steps = 0
+        if active:
+            device = trainer.accelerator.device
+            tensors = [torch.tensor(list(prompt_ids[i]) + states[i].ids) for i in active]
+            input_ids = pad(tensors, padding_value=trainer._tokenizer.pad_token_id, padding_side="left").to(device)
+            attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0,
+                                 padding_side="left").to(device)
+            budgets = [max_len - len(states[i].ids) for i in active]
+            stop = StopWhenEnoughFinished(input_ids.size(1), budgets, list(trainer.eos_token_ids), target)
+            config = copy.deepcopy(trainer.generation_config)
+            config.output_scores, config.return_dict_in_generate = True, True
+            config.max_new_tokens = max(budgets)
+            with (
+                unwrap_model_for_generation(
+                    trainer.model_wrapped, trainer.accelerator,
+                    gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                    generation_kwargs=trainer.generation_kwargs,
+                    gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+                ) as unwrapped,
+                torch.no_grad(),
+            ):
+                out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                         stopping_criteria=StoppingCriteriaList([stop]))
+            new_ids = out.sequences[:, input_ids.size(1):].cpu()
+            new_logps = sampled_token_logprobs(out.scores, new_ids.to(out.scores[0].device)).cpu()
+            self._last_steps = new_ids.size(1)
+            version = trainer.state.global_step
+            eos = set(trainer.eos_token_ids)
+            for row, i in enumerate(active):
+                ids = new_ids[row].tolist()[: budgets[row]]
+                ended = next((t for t, tok in enumerate(ids) if tok in eos), None)
+                n = len(ids) if ended is None else ended + 1
+                states[i].ids += ids[:n]
+                states[i].logps += new_logps[row, :n].tolist()
+                states[i].versions += [version] * n
+                states[i].finished = ended is not None or len(states[i].ids) >= max_len
+        self._states = states
+        return [s.ids for s in states], [s.logps for s in states]
+
+    # -- masking unfinished groups and stale tokens -----------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_filter_groups(self, rewards, batch):
+        states = self._states
+        trainer = batch.trainer
+        if states is None or trainer is None or not trainer.model.training:
+            return None
+        G = batch.num_generations
+        complete = [all(s.finished for s in states[g:g + G]) for g in range(0, len(states), G)]
+        local = torch.tensor([c for c in complete for _ in range(G)], device=rewards.device)
+        stale = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+        for row, s in enumerate(states):
+            marks = stale_token_mask(s.versions, trainer.state.global_step)
+            stale[row, : len(marks)] = torch.tensor(marks, dtype=torch.float32)
+        batch.loss_extras[STALE_KEY] = stale
+        return trainer.accelerator.gather(local)
+
+    @hookimpl
+    def trl_ext_token_weights(self, inputs):
+        stale = inputs.extra.get(STALE_KEY)
+        if not self.params.mask_offpolicy or stale is None:
+            return None
+        return TokenWeights(mask=stale[:, : inputs.mask.size(1)] == 0)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        trainer.add_callback(PartialRolloutCheckpoint(self, trainer.accelerator.process_index))
+
+    def buffer_state(self) -> list[dict]:
+        return [{"rows": g.rows, "samples": [asdict(s) for s in g.samples]} for g in self.buffer]
+
+    def load_buffer_state(self, state: list[dict]) -> None:
+        self.buffer = [PendingGroup(g["rows"], [Trajectory(**s) for s in g["samples"]]) for g in state]
+
+
+class PartialRolloutCheckpoint(TrainerCallback):
+    """Writes the buffer of unfinished groups into each checkpoint and restores it when training resumes."""
+
+    def __init__(self, plugin: PartialRollout, rank: int):
+        self.plugin, self.rank = plugin, rank
+
+    def _path(self, args, step: int) -> Path:
+        return Path(args.output_dir) / f"checkpoint-{step}" / BUFFER_FILE.format(rank=self.rank)
+
+    def on_save(self, args, state, control, **kwargs):
+        path = self._path(args, state.global_step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.plugin.buffer_state(), default=str))
+        os.replace(tmp, path)  # atomic: a checkpoint never holds half a buffer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            return
+        path = self._path(args, state.global_step)
+        if path.exists():
+            self.plugin.load_buffer_state(json.loads(path.read_text()))

@@ -1,0 +1,188 @@
+"""``partial_rollout`` (ALGORITHMS.md item 44): the stop rule stops after the ceil(lambda * N)-th trajectory finishes
+(lambda 0.75 with 16 trajectories: the 12th); on the tiny model resumed prefixes keep their tokens byte-identical and
+their old sampling log-probs, unfinished groups are masked, stale tokens get zero loss weight with mask_offpolicy;
+the buffer goes into checkpoints and comes back on resume; lambda outside (0, 1] is refused at validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trl_ext.batches import LossInputs
+from trl_ext.embedded.arithmetic import arithmetic_dataset
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import StageSpec
+from trl_ext.stage import resolve_stage
+from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
+from trl_ext_plugins.rollout.partial_rollout import STALE_KEY, PartialRollout, StopWhenEnoughFinished
+
+EOS = 99
+
+
+def test_finish_target_and_staleness_helpers():
+    assert finish_target(16, 0.75) == 12
+    assert finish_target(10, 0.75) == 8  # ceil(7.5)
+    assert finish_target(16, 1.0) == 16 and finish_target(16, 0.01) == 1
+    assert versions_per_trajectory([[3, 3, 4, 5], [5, 5], []]) == [3, 1, 0]
+    assert stale_token_mask([3, 3, 4, 5], current=5) == [True, True, True, False]
+
+
+def test_stop_rule_stops_in_the_step_the_12th_of_16_trajectories_finishes():
+    # trajectory i emits EOS at decoding step finish_step[i]; steps 1..8
+    finish_step = [1, 1, 2, 2, 2, 3, 3, 4, 4, 5, 5, 5, 6, 7, 8, 8]  # the 12th finisher ends at step 5
+    stop = StopWhenEnoughFinished(prompt_width=3, budgets=[8] * 16, eos_ids=[EOS], target=finish_target(16, 0.75))
+    ids = torch.zeros(16, 3, dtype=torch.long)
+    for step in range(1, 9):
+        token = torch.tensor([EOS if f == step else 7 for f in finish_step]).unsqueeze(1)
+        ids = torch.cat([ids, token], dim=1)
+        result = stop(ids, scores=None)
+        if result.all():
+            break
+    assert step == 5 and int(stop.done.sum()) == 12
+    # before the global stop, rows are stopped one by one (EOS or their own budget)
+    stop = StopWhenEnoughFinished(prompt_width=0, budgets=[1, 3], eos_ids=[EOS], target=2)
+    assert stop(torch.tensor([[7], [7]]), None).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, 1.5])
+def test_lambda_outside_0_1_is_refused_before_loading(trl_ext_catalog, register_plugin, value):
+    register_plugin(PartialRollout)
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    register_plugin(ExactMatch)
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"partial_rollout": {"finish_fraction": value}}, "exact_match"])
+    with pytest.raises(RecipeError, match=r"stages\[0\]\.plugins\[0\]\.params\.finish_fraction: .*partial_rollout"):
+        resolve_stage(stage, 0, trl_ext_catalog)
+
+
+# -- on the tiny model ---------------------------------------------------------------------------------------------
+
+
+def eos_bias(trainer, bias: float = 4.0):
+    """Make EOS likely at every step (a geometric, long-tailed completion length) on the untrained tiny model."""
+    eos = trainer.eos_token_ids[0]
+
+    def add(module, args, output):
+        output = output.clone()
+        output[..., eos] += bias
+        return output
+
+    return trainer.model.lm_head.register_forward_hook(add)
+
+
+def _trainer(tiny_trainer, **params):
+    plugin = PartialRollout(PartialRollout.Params(**params))
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data,
+                           args={"per_device_train_batch_size": 16, "num_generations": 4,
+                                 "max_completion_length": 12, "temperature": 1.0})
+    trainer.model.train()
+    eos_bias(trainer)
+    return trainer, plugin, data
+
+
+def _rows(data, start):
+    return [data[i] for i in range(start, start + 4) for _ in range(4)]
+
+
+def test_stop_resume_byte_identical_prefixes_and_old_logprobs(tiny_trainer):
+    trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.75, mask_offpolicy=True)
+    torch.manual_seed(1)
+    first = trainer._generate_and_score_completions(_rows(data, 0))
+    record = plugin.history[-1]
+    lengths = first["completion_mask"].sum(1)  # masked groups are zeroed: use the plugin's own view
+    pending = [s for g in plugin.buffer for s in g.samples]
+    assert plugin.buffer, "expected some group to be unfinished at lambda = 0.75 (seeded)"
+    unfinished = [s for s in pending if not s.finished]
+    finished_count = 16 - len(unfinished)
+    assert finished_count >= 12
+    # it stopped in the decoding step in which the 12th trajectory finished: the unfinished prefixes have the length
+    # of the last step, and fewer than 12 trajectories had finished before that step
+    stop_step = record["partial_rollout/generation_steps"]
+    assert all(len(s.ids) == stop_step for s in unfinished)
+    eos = trainer.eos_token_ids[0]
+    all_states = pending + []  # finished ones in complete groups are not buffered; count them from the batch
+    ended_before = sum(1 for s in pending if s.finished and len(s.ids) < stop_step)
+    complete_rows = [r for r in range(16) if lengths[r] > 0]
+    ended_before += sum(1 for r in complete_rows if lengths[r] < stop_step)
+    assert ended_before < 12
+    # unfinished groups are out of this step's loss; complete groups are in
+    groups_pending = len(plugin.buffer)
+    assert record["partial_rollout/trained_fraction"] == (4 - groups_pending) / 4
+    assert int((lengths > 0).sum()) == 16 - 4 * groups_pending
+    assert all(s.ids[-1] == eos or len(s.ids) == 12 for s in pending if s.finished)
+    assert len(all_states) == 4 * groups_pending
+
+    # the policy moves on one version; the buffered groups take the first slots of the next batch
+    saved = [(list(s.ids), list(s.logps), s.finished) for s in pending]
+    trainer.state.global_step += 1
+    second = trainer._generate_and_score_completions(_rows(data, 4))
+    texts = trainer.processing_class.batch_decode(second["prompt_ids"], skip_special_tokens=True)
+    first_texts = trainer.processing_class.batch_decode(first["prompt_ids"], skip_special_tokens=True)
+    buffered_prompts = {t.strip() for g in range(4) for t in first_texts[4 * g:4 * g + 1]}
+    assert all(t.strip() in buffered_prompts for t in texts[: 4 * groups_pending])
+    ids, logps = second["completion_ids"], second["sampling_per_token_logps"]
+    stale = second[STALE_KEY]
+    for row, (old_ids, old_logps, was_finished) in enumerate(saved):
+        n = len(old_ids)
+        if second["completion_mask"][row].sum() == 0:  # still unfinished: its state is in the buffer again
+            continue
+        assert ids[row, :n].tolist() == old_ids  # byte-identical prefix
+        assert torch.equal(logps[row, :n], torch.tensor(old_logps, dtype=logps.dtype))  # old sampling log-probs
+        assert stale[row, :n].tolist() == [1.0] * n  # sampled by version 0 < 1
+        assert stale[row, n:int(second["completion_mask"][row].sum())].sum() == 0  # the new segment is current
+        if was_finished:
+            assert int(second["completion_mask"][row].sum()) == n  # finished members wait unchanged
+    assert plugin.history[-1]["partial_rollout/resumed_trajectories"] == len(unfinished)
+
+    # mask_offpolicy: the stale segment has zero loss weight
+    li = _loss_inputs(second)
+    weights = plugin.trl_ext_token_weights(inputs=li)
+    assert torch.equal(weights.mask, stale == 0)
+    plain = PartialRollout(PartialRollout.Params(mask_offpolicy=False))
+    assert plain.trl_ext_token_weights(inputs=li) is None
+
+
+def _loss_inputs(output):
+    mask = output["completion_mask"].float()
+    zeros = torch.zeros_like(mask)
+    return LossInputs(num_items_in_batch=mask.sum(), grad_accum_steps=1, steps_per_generation=1, num_processes=1,
+                      training=True, loss_type="dapo", max_completion_length=12, per_token_logps=zeros,
+                      old_per_token_logps=zeros, advantages=zeros[:, :1], mask=mask, sampling_per_token_logps=None,
+                      ref_per_token_logps=None, entropies=None, epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
+                      extra={STALE_KEY: output[STALE_KEY]})
+
+
+def test_lambda_one_is_plain_generation_and_eval_is_untouched(tiny_trainer):
+    trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=1.0)
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions(_rows(data, 0))
+    assert plugin.buffer == [] and plugin.history[-1]["partial_rollout/trained_fraction"] == 1.0
+    assert (out["completion_mask"].sum(1) > 0).all()
+    trainer.model.eval()
+    calls = len(plugin.history)
+    trainer._generate_and_score_completions(_rows(data, 0))
+    assert len(plugin.history) == calls and plugin.buffer == []
+
+
+def test_buffer_survives_checkpoint_and_resume(tiny_trainer, tmp_path):
+    trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.5)
+    torch.manual_seed(2)
+    trainer._generate_and_score_completions(_rows(data, 0))
+    assert plugin.buffer
+    state = plugin.buffer_state()
+    # what the Trainer does at a save step: on_save after the checkpoint folder is written
+    from trl_ext_plugins.rollout.partial_rollout import PartialRolloutCheckpoint
+
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, PartialRolloutCheckpoint))
+    trainer.state.global_step = 3
+    callback.on_save(trainer.args, trainer.state, trainer.control)
+    saved = tmp_path / "out" / "checkpoint-3" / "partial_rollout_rank0.json"
+    assert saved.exists()
+
+    fresh = PartialRollout(PartialRollout.Params(finish_fraction=0.5))
+    restore = PartialRolloutCheckpoint(fresh, 0)
+    restore.on_train_begin(trainer.args, trainer.state, trainer.control)
+    assert fresh.buffer_state() == state and fresh.buffer
+    assert [s.ids for g in fresh.buffer for s in g.samples] == [s.ids for g in plugin.buffer for s in g.samples]
