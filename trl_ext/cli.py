@@ -2,8 +2,18 @@
 
     trl-ext train RECIPE [--output-dir DIR] [--max-steps N] [--set PATH=VALUE ...]
     trl-ext validate RECIPE [--set PATH=VALUE ...]
+    trl-ext train|validate TRL_CONFIG --trl grpo|sft|dpo|...   (a file `trl grpo --config` takes)
+    trl-ext convert grpo TRL_CONFIG                             (print the equivalent recipe)
     trl-ext plugins list [--json]
     trl-ext plugins show NAME
+
+Global options (before or after the subcommand): ``--debug`` prints the traceback of any error; ``-p no:NAME`` skips
+a plugin entry point or distribution (repeatable). ``train --restart-unfinished`` deletes an unfinished stage of a
+different recipe in the output directory instead of refusing. ``validate`` takes ``--output-dir`` and ``--max-steps``
+to check exactly what ``train`` would.
+
+Exit codes: 0 success; 2 usage and validation errors (bad recipe, arguments or output directory, a directory in use
+by another run; one line per problem, no traceback); 1 runtime failures (one line; ``--debug`` shows the traceback).
 
 Several processes: a recipe's ``distributed:`` section makes ``trl-ext train`` start them itself (trl_ext/launch.py);
 ``torchrun --nproc_per_node N -m trl_ext.cli train RECIPE`` or ``accelerate launch --multi_gpu --num_processes N -m
@@ -15,23 +25,61 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from trl_ext.errors import RecipeError, TrlExtError
 
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
 
-def _load_recipe(path: str, overrides: list[str]):
+
+def _load_recipe(path: str, overrides: list[str], trl_command: str | None = None):
     from trl_ext.recipe import apply_overrides, load_raw, parse_recipe
+    from trl_ext.trl_config import convert, looks_like_trl_config
 
-    return parse_recipe(apply_overrides(load_raw(path), overrides or []))
+    data = load_raw(path)
+    if trl_command is not None:
+        data = convert(trl_command, data, source=path)
+    elif looks_like_trl_config(data):
+        raise RecipeError(f"{path}: this is a TRL config file (model_name_or_path, no trainer); add --trl "
+                          f"sft|grpo|rloo|dpo|kto|reward, or see it as a recipe with `trl-ext convert COMMAND {path}`")
+    return parse_recipe(apply_overrides(data, overrides or []))
+
+
+def cmd_convert(ns) -> int:
+    """Print the recipe equivalent to a TRL config file (``trl COMMAND --config FILE``)."""
+    import yaml
+
+    from trl_ext.recipe import load_raw
+    from trl_ext.trl_config import convert
+
+    recipe = convert(ns.command_name, load_raw(ns.config), source=ns.config)
+    print(f"# Run: trl-ext train RECIPE.yaml   (converted from `trl {ns.command_name} --config {ns.config}`)")
+    print(yaml.safe_dump(recipe, sort_keys=False), end="")
+    return 0
+
+
+def _catalog(ns):
+    """The installed plugins minus ``-p no:NAME``; entry points that failed to load are reported, not fatal."""
+    from trl_ext.catalog import Catalog
+
+    catalog = Catalog.discover(block=set(ns.disabled_plugins))
+    for failure in catalog.failures:
+        print(f"warning: plugin entry point {failure.source!r} of distribution {failure.distribution!r} failed to "
+              f"load and is skipped: {failure.error} (silence with -p no:{failure.source})", file=sys.stderr)
+    return catalog
+
+
+def _output_dir(ns, recipe) -> str:
+    return ns.output_dir or recipe.output_dir or str(Path("runs") / Path(ns.recipe).stem)
 
 
 def cmd_validate(ns) -> int:
-    from trl_ext.catalog import Catalog
-    from trl_ext.runner import resolve_recipe
+    from trl_ext.runner import preflight
 
-    recipe = _load_recipe(ns.recipe, ns.set)
-    resolved = resolve_recipe(recipe, Catalog.discover())
+    recipe = _load_recipe(ns.recipe, ns.set, ns.trl)
+    resolved = preflight(recipe, _catalog(ns), _output_dir(ns, recipe), max_steps=ns.max_steps)
     for rs in resolved:
         print(f"stage {rs.spec.name!r}: trainer={rs.spec.trainer} plugins={rs.host.names() or 'none'}")
     print(f"{ns.recipe}: valid")
@@ -39,21 +87,20 @@ def cmd_validate(ns) -> int:
 
 
 def cmd_train(ns) -> int:
-    from trl_ext.catalog import Catalog
-    from trl_ext.runner import run_recipe
+    from trl_ext.runner import preflight, run_recipe
 
-    recipe = _load_recipe(ns.recipe, ns.set)
-    output_dir = ns.output_dir or recipe.output_dir or str(Path("runs") / Path(ns.recipe).stem)
+    recipe = _load_recipe(ns.recipe, ns.set, ns.trl)
+    output_dir = _output_dir(ns, recipe)
+    catalog = _catalog(ns)
     spec = recipe.distributed
     if spec is not None and spec.num_processes * spec.num_machines > 1:
         from trl_ext.launch import already_launched, relaunch
-        from trl_ext.runner import resolve_recipe
 
         if not already_launched():
-            resolve_recipe(recipe, Catalog.discover(), max_steps=ns.max_steps)  # report recipe errors once, here
+            preflight(recipe, catalog, output_dir, max_steps=ns.max_steps)  # report recipe errors once, here
             return relaunch(spec, ns.argv, machine_rank=ns.machine_rank)
     try:
-        run_recipe(recipe, output_dir, Catalog.discover(), max_steps=ns.max_steps)
+        run_recipe(recipe, output_dir, catalog, max_steps=ns.max_steps, restart_unfinished=ns.restart_unfinished)
     finally:
         _close_process_group()
     return 0
@@ -72,7 +119,7 @@ def _close_process_group() -> None:
 def cmd_plugins_list(ns) -> int:
     from trl_ext.catalog import Catalog
 
-    catalog = Catalog.discover()
+    catalog = Catalog.discover(block=set(ns.disabled_plugins))  # failures are rows of the listing itself
     rows = [
         {
             "name": info.name,
@@ -107,9 +154,7 @@ def cmd_plugins_list(ns) -> int:
 
 
 def cmd_plugins_show(ns) -> int:
-    from trl_ext.catalog import Catalog
-
-    info = Catalog.discover().resolve(ns.name)
+    info = _catalog(ns).resolve(ns.name)
     cls = info.cls
     print(f"{cls.name}  ({info.distribution} {info.version}, family {cls.family})")
     if cls.aliases:
@@ -133,48 +178,105 @@ def cmd_plugins_show(ns) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _disabled_plugin(text: str) -> str:
+    if not text.startswith("no:") or not text[3:]:
+        raise argparse.ArgumentTypeError(f"expected no:NAME (an entry point or distribution to skip), got {text!r}")
+    return text[3:]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trl-ext", description="Post-training recipes on TRL trainers, with plugins.")
+    # --debug and -p work before or after the subcommand (SUPPRESS keeps a subparser from resetting the other's value).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print the traceback of any error")
+    common.add_argument("-p", dest="disabled_plugins", action="append", type=_disabled_plugin, metavar="no:NAME",
+                        default=argparse.SUPPRESS, help="do not load this plugin entry point or distribution")
+    parser = argparse.ArgumentParser(prog="trl-ext", parents=[common],
+                                     description="Post-training recipes on TRL trainers, with plugins.",
+                                     epilog="exit codes: 0 ok, 2 usage or validation error, 1 runtime failure")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="run a recipe")
+    train = sub.add_parser("train", help="run a recipe", parents=[common])
     train.add_argument("recipe")
     train.add_argument("--output-dir", help="where stages, metrics and run.json go (default: recipe's or runs/NAME)")
-    train.add_argument("--max-steps", type=int, help="cap every stage at N optimizer steps (smoke runs)")
+    train.add_argument("--max-steps", type=_positive_int, help="cap every stage at N optimizer steps (smoke runs)")
     train.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                        help="override a recipe field, e.g. stages.sft.args.learning_rate=1e-4 (repeatable)")
+    train.add_argument("--trl", metavar="COMMAND", help="RECIPE is a TRL config file for `trl COMMAND --config` "
+                                                        "(sft, grpo, rloo, dpo, kto, reward)")
     train.add_argument("--machine-rank", type=int, help="this machine's rank in a multi-machine `distributed:` run")
+    train.add_argument("--restart-unfinished", action="store_true",
+                       help="delete unfinished stages of a different recipe in the output directory and start over")
     train.set_defaults(func=cmd_train)
 
-    validate = sub.add_parser("validate", help="check a recipe without loading any model")
+    validate = sub.add_parser("validate", help="check a recipe (and output directory) without loading any model",
+                              parents=[common])
     validate.add_argument("recipe")
+    validate.add_argument("--output-dir", help="check this output directory instead of the recipe's")
+    validate.add_argument("--max-steps", type=_positive_int, help="validate with this step cap, as train would")
     validate.add_argument("--set", action="append", default=[], metavar="PATH=VALUE")
+    validate.add_argument("--trl", metavar="COMMAND", help="RECIPE is a TRL config file (see train --trl)")
     validate.set_defaults(func=cmd_validate)
 
-    plugins = sub.add_parser("plugins", help="list or describe installed plugins")
+    convert = sub.add_parser("convert", help="print the recipe equivalent to a TRL config file")
+    convert.add_argument("command_name", metavar="COMMAND", help="the TRL command: sft, grpo, rloo, dpo, kto, reward")
+    convert.add_argument("config", help="the file `trl COMMAND --config FILE` would take")
+    convert.set_defaults(func=cmd_convert)
+
+    plugins = sub.add_parser("plugins", help="list or describe installed plugins", parents=[common])
     psub = plugins.add_subparsers(dest="plugins_command", required=True)
-    plist = psub.add_parser("list", help="installed plugins with version, distribution, family, hooks, status")
+    plist = psub.add_parser("list", help="installed plugins with version, distribution, family, hooks, status",
+                            parents=[common])
     plist.add_argument("--json", action="store_true")
     plist.set_defaults(func=cmd_plugins_list)
-    pshow = psub.add_parser("show", help="a plugin's description, parameters and needs")
+    pshow = psub.add_parser("show", help="a plugin's description, parameters and needs", parents=[common])
     pshow.add_argument("name")
     pshow.set_defaults(func=cmd_plugins_show)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    """Run one command: user errors print one line per problem and return 2, runtime failures one line and 1."""
+    ns = build_parser().parse_args(argv)  # usage errors: argparse prints one line and exits 2
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # re-used verbatim when `distributed:` re-launches
+    ns.debug = getattr(ns, "debug", False)
+    ns.disabled_plugins = getattr(ns, "disabled_plugins", None) or []
     try:
         return ns.func(ns)
     except RecipeError as exc:
+        _debug_traceback(ns)
         print("error: invalid recipe", file=sys.stderr)
         for message in exc.messages:
             print(f"  {message}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except TrlExtError as exc:
+        _debug_traceback(ns)
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a runtime failure: one line, the traceback only on request
+        _debug_traceback(ns)
+        text = str(exc).strip()
+        print(f"error: {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+              f"{'' if ns.debug else '  (--debug shows the traceback)'}", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+def _debug_traceback(ns) -> None:
+    if ns.debug:
+        traceback.print_exc()
 
 
 if __name__ == "__main__":

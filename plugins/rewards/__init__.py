@@ -8,6 +8,7 @@ from trl_ext_plugins.rewards.length_shaping import LengthShaping
 from trl_ext_plugins.rewards.llm_judge import LLMJudge
 from trl_ext_plugins.rewards.orm import ORM
 from trl_ext_plugins.rewards.prm import PRM
+from trl_ext_plugins.rewards.python_reward import PythonReward
 from trl_ext_plugins.rewards.reward_model import RewardModel
 from trl_ext_plugins.rewards.self_judge import SelfJudge
 from trl_ext_plugins.rewards.unit_tests import UnitTests
@@ -29,6 +30,7 @@ def trl_ext_register_plugins(register):
     register(LLMJudge)
     register(ChecklistJudge)
     register(SelfJudge)
+    register(PythonReward)
 
 
 @hookimpl
