@@ -5,9 +5,9 @@ import torch
 
 from trl_ext.recipe import StageSpec
 from trl_ext.testing import check_plugin_conformance
+from trl_ext_plugins.merge.math import average_state_dicts
 from trl_ext_plugins.rewards.scoring import (
     ArchitectureMismatchError,
-    average_state_dicts,
     load_sequence_classifier,
     score_texts,
 )

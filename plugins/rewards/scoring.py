@@ -14,12 +14,13 @@ Model references (the ``path`` / ``paths`` parameters) follow the recipe's conve
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from trl_ext_plugins.merge.math import ArchitectureMismatchError, check_same_tensors
 
 STAGE_PREFIX = "stage:"
 EMBEDDED_PREFIX = "embedded:"
@@ -124,12 +125,8 @@ def score_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 32, ma
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Weight averaging (WARM)
+# Weight averaging (WARM): the averaging math and the tensor checks live in the merge family
 # ----------------------------------------------------------------------------------------------------------------
-
-
-class ArchitectureMismatchError(ValueError):
-    """Two models to be averaged do not share an architecture or parameter shapes."""
 
 
 def _architecture(model) -> tuple:
@@ -141,50 +138,13 @@ def check_same_architecture(models: Sequence[Any], names: Sequence[str]) -> None
     """Refuse models whose class, config type, parameter names or shapes differ; the message names both models."""
     first, first_name = models[0], names[0]
     arch0 = _architecture(first)
-    shapes0 = {k: tuple(v.shape) for k, v in first.state_dict().items()}
     for model, name in zip(models[1:], names[1:]):
         arch = _architecture(model)
         if arch != arch0:
             raise ArchitectureMismatchError(
                 f"warm: {name!r} is a {arch[0]} ({arch[1]}, num_labels={arch[2]}) but {first_name!r} is a "
                 f"{arch0[0]} ({arch0[1]}, num_labels={arch0[2]}); averaged models must share an architecture")
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if shapes.keys() != shapes0.keys():
-            diff = sorted(shapes.keys() ^ shapes0.keys())[:3]
-            raise ArchitectureMismatchError(
-                f"warm: {name!r} and {first_name!r} have different parameters (e.g. {diff}); averaged models must "
-                f"share an architecture")
-        for key, shape in shapes.items():
-            if shape != shapes0[key]:
-                raise ArchitectureMismatchError(
-                    f"warm: parameter {key!r} has shape {list(shape)} in {name!r} but {list(shapes0[key])} in "
-                    f"{first_name!r}; averaged models must share an architecture")
-
-
-@torch.no_grad()
-def average_state_dicts(state_dicts: Sequence[dict[str, torch.Tensor]],
-                        weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
-    """phi = sum_i w_i phi_i / sum_i w_i per tensor (uniform by default), accumulated in float64, cast back.
-
-    Non-floating tensors (integer buffers) must agree across models and are copied from the first.
-    """
-    m = len(state_dicts)
-    if m == 0:
-        raise ValueError("nothing to average")
-    w = [1.0] * m if weights is None else [float(x) for x in weights]
-    if len(w) != m or not math.isfinite(sum(w)) or sum(w) <= 0:
-        raise ValueError(f"need {m} finite weights with a positive sum, got {w}")
-    total = sum(w)
-    out = {}
-    for key, first in state_dicts[0].items():
-        if not first.is_floating_point():
-            out[key] = first.clone()
-            continue
-        acc = torch.zeros(first.shape, dtype=torch.float64)
-        for wi, sd in zip(w, state_dicts):
-            acc += wi * sd[key].detach().to("cpu", torch.float64)
-        out[key] = (acc / total).to(first.dtype)
-    return out
+    check_same_tensors([{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models], names, "warm")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ from pydantic import Field, field_validator
 
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
+from trl_ext_plugins.merge.math import average_state_dicts
 from trl_ext_plugins.rewards.scoring import (
     LazyScorer,
-    average_state_dicts,
     check_same_architecture,
     load_sequence_classifier,
     resolve_ref,

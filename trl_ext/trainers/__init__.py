@@ -13,6 +13,7 @@ from typing import Any, Callable
 from trl import DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
 
 from trl_ext.plugin import Need
+from trl_ext.trainers.merge import MergeConfig
 from trl_ext.trainers.prm import PRMConfig
 
 
@@ -90,6 +91,12 @@ def _build_prm(ctx):
     return ExtPRMTrainer(model=ctx.model, **_common(ctx))
 
 
+def _build_merge(ctx):
+    from trl_ext.trainers.merge import ExtMergeTrainer
+
+    return ExtMergeTrainer(model=ctx.model, args=ctx.config, processing_class=ctx.tokenizer, plugin_host=ctx.host)
+
+
 def _build_distillation(ctx):
     from trl_ext.trainers.others import ExtDistillationTrainer
 
@@ -132,5 +139,6 @@ TRAINER_KINDS: dict[str, TrainerKind] = {
         TrainerKind("reward", RewardConfig, _build_reward, lambda s, a: set()),
         TrainerKind("prm", PRMConfig, _build_prm, lambda s, a: set()),
         TrainerKind("distillation", DistillationConfig, _build_distillation, _teacher_caps, reads_teacher=True),
+        TrainerKind("merge", MergeConfig, _build_merge, lambda s, a: set()),  # trains nothing; plugins merge
     ]
 }

@@ -1,0 +1,139 @@
+"""Merging math (ALGORITHMS.md items 52 WARP and 53 checkpoint averaging): numbers computed by hand from the formulas."""
+
+import math
+
+import pytest
+import torch
+
+from trl_ext_plugins.merge.math import (
+    ArchitectureMismatchError,
+    ZeroTaskVectorError,
+    average_state_dicts,
+    check_same_tensors,
+    ema_weights,
+    liti,
+    normalized_weights,
+    slerp,
+    slerp_coefficients,
+    slerp_many,
+)
+
+R2 = math.sqrt(0.5)  # sin(pi/4) = 0.707107
+
+
+def test_orthogonal_equal_norm_slerp_keeps_the_norm():
+    d1, d2 = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 3.0])
+    c1, c2, linear = slerp_coefficients(d1, d2, 0.5)
+    assert (c1, c2) == pytest.approx((0.707107, 0.707107), abs=1e-6) and not linear
+    merged = slerp(d1, d2, 0.5)
+    assert merged.tolist() == pytest.approx([2.121320, 2.121320], abs=1e-6)
+    assert float(merged.norm()) == pytest.approx(3.0, abs=1e-9)  # = ||delta||
+    assert float((0.5 * d1 + 0.5 * d2).norm()) == pytest.approx(0.707107 * 3, abs=1e-5)  # linear averaging shrinks
+
+
+def test_slerp_other_angles_and_norms():
+    # 60 degrees, t = 0.5: sin(pi/6) / sin(pi/3) = 0.577350 each; unit vectors -> the unit vector at 30 degrees
+    d1, d2 = torch.tensor([1.0, 0.0]), torch.tensor([0.5, math.sqrt(3) / 2])
+    assert slerp_coefficients(d1, d2, 0.5)[:2] == pytest.approx((0.577350, 0.577350), abs=1e-6)
+    assert slerp(d1, d2, 0.5).tolist() == pytest.approx([math.sqrt(3) / 2, 0.5], abs=1e-6)
+    # orthogonal, unequal norms: the coefficients depend on the angle only
+    assert slerp(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 1.0]), 0.5).tolist() == pytest.approx(
+        [1.414214, 0.707107], abs=1e-6)
+    # t = 0.25 at 90 degrees: sin(3pi/8) = 0.923880, sin(pi/8) = 0.382683
+    assert slerp_coefficients(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 0.25)[:2] == pytest.approx(
+        (0.923880, 0.382683), abs=1e-6)
+
+
+@pytest.mark.parametrize("t", [0.0, 1.0])
+def test_slerp_endpoints(t):
+    d1, d2 = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([0.5, -1.0, 3.0])
+    expected = d1 if t == 0.0 else d2
+    assert torch.allclose(slerp(d1, d2, t), expected.double(), atol=1e-12)
+
+
+def test_parallel_vectors_interpolate_linearly():
+    d1, d2 = torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0])
+    c1, c2, linear = slerp_coefficients(d1, d2, 0.25)
+    assert linear and (c1, c2) == (0.75, 0.25)
+    assert slerp(d1, d2, 0.25).tolist() == pytest.approx([1.25, 2.5])
+    # just under the threshold SLERP's coefficients are already within 1e-3 of the linear ones (its limit)
+    angle = math.acos(0.999)
+    near = torch.tensor([math.cos(angle), math.sin(angle)])
+    c1, c2, linear = slerp_coefficients(torch.tensor([1.0, 0.0]), near, 0.25)
+    assert not linear and (c1, c2) == pytest.approx((0.75, 0.25), abs=1e-3)
+
+
+def test_antiparallel_vectors_cancel_linearly():
+    d1, d2 = torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.0])
+    c1, c2, linear = slerp_coefficients(d1, d2, 0.5)
+    assert linear and (c1, c2) == (0.5, 0.5)
+    assert slerp(d1, d2, 0.5).tolist() == [0.0, 0.0]
+    assert slerp(d1, d2, 0.25).tolist() == pytest.approx([0.5, 0.0])
+    assert torch.isfinite(slerp(d1, d2 * 1e-30, 0.5)).all()
+
+
+def test_zero_task_vector_is_refused():
+    with pytest.raises(ZeroTaskVectorError, match="zero"):
+        slerp(torch.zeros(3), torch.ones(3), 0.5)
+    with pytest.raises(ZeroTaskVectorError):
+        slerp(torch.ones(3), torch.zeros(3), 0.5)
+
+
+def test_slerp_many():
+    e = torch.eye(3)
+    two, fallbacks = slerp_many([e[0], e[1]])
+    assert two.tolist() == pytest.approx([R2, R2, 0.0], abs=1e-6) and fallbacks == 0
+    # M = 3: acc = slerp(e1, e2; 1/2) = 0.707107 (e1 + e2); then slerp(acc, e3; 1/3) at 90 degrees:
+    # sin(pi/3) = 0.866025 on acc, sin(pi/6) = 0.5 on e3 -> 0.612372 (e1 + e2) + 0.5 e3, norm 1
+    three, _ = slerp_many([e[0], e[1], e[2]])
+    assert three.tolist() == pytest.approx([0.612372, 0.612372, 0.5], abs=1e-6)
+    assert float(three.norm()) == pytest.approx(1.0)
+    one, _ = slerp_many([e[0]])
+    assert one.tolist() == e[0].tolist()
+    with pytest.raises(ValueError, match="exactly 2"):
+        slerp_many([e[0], e[1], e[2]], t=0.3)
+
+
+def test_liti():
+    init, merged = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 2.0])
+    assert liti(init, merged, 0.0).tolist() == init.tolist()
+    assert liti(init, merged, 1.0).tolist() == merged.tolist()
+    assert liti(init, merged, 0.3).tolist() == pytest.approx([1.6, -0.8])  # 0.7 * init + 0.3 * merged
+
+
+def test_average_weights():
+    assert normalized_weights(4) == [0.25] * 4
+    assert normalized_weights(2, [3.0, 1.0]) == [0.75, 0.25]
+    assert ema_weights(3, 0.5) == pytest.approx([0.25, 0.25, 0.5])  # e3 = .25 t1 + .25 t2 + .5 t3
+    assert ema_weights(3, 0.9) == pytest.approx([0.81, 0.09, 0.1])
+    assert ema_weights(3, 0.0) == [0.0, 0.0, 1.0]
+    assert ema_weights(1, 0.7) == [1.0]
+    for bad in ([1.0, -1.0], [0.0, 0.0], [float("nan"), 1.0]):
+        with pytest.raises(ValueError):
+            normalized_weights(2, bad)
+    with pytest.raises(ValueError, match="3 weights for 2"):
+        normalized_weights(2, [1, 1, 1])
+
+
+def test_average_state_dicts_numbers_and_buffers():
+    a = {"w": torch.tensor([1.0, 3.0]), "steps": torch.tensor([7]), "mask": torch.tensor([True, False])}
+    b = {"w": torch.tensor([3.0, 5.0]), "steps": torch.tensor([9]), "mask": torch.tensor([False, False])}
+    out = average_state_dicts([a, b])
+    assert out["w"].tolist() == [2.0, 4.0]
+    assert out["steps"].tolist() == [7] and out["mask"].tolist() == [True, False]  # copied from the base, not averaged
+    assert average_state_dicts([a, b], base=1)["steps"].tolist() == [9]
+    assert average_state_dicts([a, b], [3.0, 1.0])["w"].tolist() == [1.5, 3.5]
+    same = average_state_dicts([a, a, a])
+    assert torch.equal(same["w"], a["w"])
+    half = {"w": torch.tensor([1.0, 3.0], dtype=torch.bfloat16)}
+    assert average_state_dicts([half, half])["w"].dtype == torch.bfloat16
+
+
+def test_check_same_tensors_names_the_tensor():
+    check_same_tensors([{"a": (2, 3)}, {"a": (2, 3)}], ["x", "y"], "merge")
+    with pytest.raises(ArchitectureMismatchError, match=r"parameter 'a' has shape \[2, 4\] in 'y' but \[2, 3\] in 'x'"):
+        check_same_tensors([{"a": (2, 3)}, {"a": (2, 4)}], ["x", "y"], "merge")
+    with pytest.raises(ArchitectureMismatchError, match="tensor 'b' is in 'y' but not in 'x'"):
+        check_same_tensors([{"a": (2,)}, {"a": (2,), "b": (1,)}], ["x", "y"], "merge")
+    with pytest.raises(ArchitectureMismatchError, match="tensor 'b' is in 'x' but not in 'y'"):
+        check_same_tensors([{"a": (2,), "b": (1,)}, {"a": (2,)}], ["x", "y"], "merge")

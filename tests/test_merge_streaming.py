@@ -1,0 +1,224 @@
+"""Streaming merges through safetensors: equal to the in-memory average, layout kept, buffers copied, mismatches
+refused naming the tensor, output loadable by from_pretrained; the merge stages of both plugins on fake runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from trl_ext.recipe import StageSpec
+from trl_ext_plugins.merge.checkpoint_average import CheckpointAverage, CheckpointAverageParams
+from trl_ext_plugins.merge.math import (
+    ArchitectureMismatchError,
+    ZeroTaskVectorError,
+    average_state_dicts,
+    weighted_average,
+)
+from trl_ext_plugins.merge.streaming import stream_merge, weight_files
+from trl_ext_plugins.merge.warp import Warp, WarpParams
+
+
+def _config(**over):
+    fields = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+    return Qwen2Config(**{**fields, **over})
+
+
+def _save(model, path, shard=None):
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return Path(path)
+
+
+def _perturbed(base, seed, scale=0.05):
+    model = AutoModelForCausalLM.from_config(base.config)
+    model.load_state_dict(base.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """An initialisation and three models fine-tuned from it (perturbed copies), saved as single files."""
+    root = tmp_path_factory.mktemp("merge")
+    torch.manual_seed(0)
+    init = AutoModelForCausalLM.from_config(_config())
+    models = [_perturbed(init, 10 + i) for i in range(3)]
+    return {"init": _save(init, root / "init"), "runs": [_save(m, root / f"m{i}") for i, m in enumerate(models)],
+            "root": root}
+
+
+def _weights(folder):
+    out = {}
+    for name in weight_files(folder):
+        out.update(load_file(str(Path(folder) / name)))
+    return out
+
+
+def test_stream_average_equals_in_memory_average_and_loads(family, tmp_path):
+    sources = family["runs"]
+    out = _save(AutoModelForCausalLM.from_pretrained(sources[0]), tmp_path / "out")
+    weights = [0.5, 0.3, 0.2]
+    counts = stream_merge(sources, out, lambda _n, ts: weighted_average(ts, weights), who="test")
+    expected = average_state_dicts([_weights(s) for s in sources], weights)
+    got = _weights(out)
+    assert got.keys() == expected.keys() and counts["merged_tensors"] == len(expected)
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert not list(out.glob(".merge-tmp-*"))
+
+
+def test_sharded_layout_is_mirrored(family, tmp_path):
+    sharded = [_save(AutoModelForCausalLM.from_pretrained(s), tmp_path / f"s{i}", shard="20KB")
+               for i, s in enumerate(family["runs"][:2])]
+    assert len(weight_files(sharded[0])) > 1
+    out = tmp_path / "out"
+    _save(AutoModelForCausalLM.from_pretrained(family["init"]), out)  # a single-file folder: its old file must go
+    stream_merge(sharded, out, lambda _n, ts: weighted_average(ts, [0.5, 0.5]), who="test")
+    assert weight_files(out) == weight_files(sharded[0]) and not (out / "model.safetensors").exists()
+    expected = average_state_dicts([_weights(s) for s in family["runs"][:2]])
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for key in expected:
+        assert torch.equal(loaded[key], expected[key]), key
+
+
+def test_integer_buffers_are_copied_from_the_base(tmp_path):
+    folders = []
+    for i, (w, steps) in enumerate([([1.0, 3.0], [7, 1]), ([3.0, 5.0], [9, 2])]):
+        folder = tmp_path / f"c{i}"
+        folder.mkdir()
+        save_file({"w": torch.tensor(w), "steps": torch.tensor(steps), "keep": torch.tensor([i == 0, True])},
+                  str(folder / "model.safetensors"))
+        folders.append(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    counts = stream_merge(folders, out, lambda _n, ts: (ts[0].double() + ts[1].double()) / 2, base=1, who="test")
+    got = load_file(str(out / "model.safetensors"))
+    assert got["w"].tolist() == [2.0, 4.0]  # ALGORITHMS.md 53: mean of [1, 3] and [3, 5]
+    assert got["steps"].tolist() == [9, 2] and got["steps"].dtype == torch.int64
+    assert got["keep"].tolist() == [False, True]
+    assert counts == {"merged_tensors": 1, "copied_tensors": 2}
+
+
+def test_mismatched_architectures_are_refused_naming_the_tensor(family, tmp_path):
+    wide = _save(AutoModelForCausalLM.from_config(_config(intermediate_size=48)), tmp_path / "wide")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ArchitectureMismatchError, match=r"'model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight' has shape"
+                       ) as err:
+        stream_merge([family["runs"][0], wide], out, lambda _n, ts: ts[0], who="checkpoint_average")
+    assert str(wide) in str(err.value) and str(family["runs"][0]) in str(err.value)
+    deeper = _save(AutoModelForCausalLM.from_config(_config(num_hidden_layers=3)), tmp_path / "deep")
+    with pytest.raises(ArchitectureMismatchError, match=r"tensor 'model\.layers\.2\.[^']+' is in"):
+        stream_merge([family["runs"][0], deeper], out, lambda _n, ts: ts[0], who="checkpoint_average")
+    assert not (out / "model.safetensors").exists()  # refused before writing anything
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        stream_merge([family["runs"][0], tmp_path], out, lambda _n, ts: ts[0])
+
+
+class _FakeTrainer:
+    """What the after-stage hooks read from a trainer."""
+
+    def __init__(self, model=None, step=0):
+        self.model, self.state = model, type("S", (), {"global_step": step})()
+        self.accelerator = type("A", (), {"unwrap_model": staticmethod(lambda m: m)})()
+
+
+def _merge_stage_dir(run_dir, name, model_folder):
+    stage_dir = run_dir / name
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    for item in Path(model_folder).iterdir():
+        if item.is_file():
+            (stage_dir / item.name).write_bytes(item.read_bytes())
+    return stage_dir
+
+
+def test_checkpoint_average_merge_stage_of_named_stages(family, tmp_path):
+    run = tmp_path / "run"
+    for i, folder in enumerate(family["runs"]):
+        _merge_stage_dir(run, f"rl_{i}", folder)
+    stage_dir = _merge_stage_dir(run, "soup", family["runs"][0])
+    plugin = CheckpointAverage(CheckpointAverageParams(sources=["stage:rl_0", "stage:rl_1", "stage:rl_2"], mode="ema",
+                                                       ema_decay=0.5, last_n=2))
+    stage = StageSpec(name="soup", trainer="merge", model="stage:rl_0", dataset="embedded:arithmetic")
+    summary = plugin.trl_ext_after_stage(stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer())
+    assert summary["checkpoint_average"]["weights"] == [0.5, 0.5]  # EMA of 2 with decay 0.5
+    expected = average_state_dicts([_weights(s) for s in family["runs"][1:]])
+    loaded = AutoModelForCausalLM.from_pretrained(stage_dir).state_dict()
+    for key in expected:
+        assert torch.allclose(loaded[key], expected[key], atol=0, rtol=0), key
+
+
+def test_checkpoint_average_of_a_training_stages_checkpoints(family, tmp_path):
+    """checkpoint-2, checkpoint-4 and a final model at step 5 (not checkpointed): last_n 2 averages ckpt-4 + final,
+    written into the stage folder, and the trainer's model is updated in place."""
+    stage_dir = tmp_path / "run" / "sft"
+    for step, folder in ((2, family["init"]), (4, family["runs"][0])):
+        _merge_stage_dir(stage_dir / "checkpoints", f"checkpoint-{step}", folder)
+    _merge_stage_dir(stage_dir.parent, "sft", family["runs"][1])
+    model = AutoModelForCausalLM.from_pretrained(stage_dir)
+    plugin = CheckpointAverage(CheckpointAverageParams(last_n=2, mode="weighted", weights=[1.0, 3.0]))
+    stage = StageSpec(name="sft", trainer="sft", model="x", dataset="embedded:arithmetic")
+    summary = plugin.trl_ext_after_stage(stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer(model, step=5))
+    info = summary["checkpoint_average"]
+    assert info["sources"] == [str(stage_dir / "checkpoints" / "checkpoint-4"), str(stage_dir)]
+    assert info["weights"] == [0.25, 0.75] and info["trainer_model_updated"] is True
+    expected = average_state_dicts([_weights(family["runs"][0]), _weights(family["runs"][1])], [1.0, 3.0])
+    on_disk = _weights(stage_dir)
+    in_memory = model.state_dict()
+    for key in expected:
+        assert torch.equal(on_disk[key], expected[key]) and torch.equal(in_memory[key], expected[key]), key
+    # identical checkpoints average to themselves (step 5 checkpointed: the final model is not added twice)
+    _merge_stage_dir(stage_dir / "checkpoints", "checkpoint-5", stage_dir)
+    before = _weights(stage_dir)
+    summary = CheckpointAverage(CheckpointAverageParams(last_n=1)).trl_ext_after_stage(
+        stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer(model, step=5))
+    assert summary["checkpoint_average"]["sources"] == [str(stage_dir / "checkpoints" / "checkpoint-5")]
+    assert all(torch.equal(v, before[k]) for k, v in _weights(stage_dir).items())
+
+
+def test_warp_merge_stage(family, tmp_path):
+    run = tmp_path / "run"
+    _merge_stage_dir(run, "init", family["init"])
+    for i in range(2):
+        _merge_stage_dir(run, f"rl_{i}", family["runs"][i])
+    stage_dir = _merge_stage_dir(run, "warp", family["init"])
+    plugin = Warp(WarpParams(runs=["stage:rl_0", "stage:rl_1"], eta=0.3))
+    stage = StageSpec(name="warp", trainer="merge", model="stage:init", dataset="embedded:arithmetic")
+    summary = plugin.trl_ext_after_stage(stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer())
+    assert summary["warp"]["linear_fallback_tensors"] == 0
+    init, r0, r1 = (_weights(f) for f in (family["init"], *family["runs"][:2]))
+    got = AutoModelForCausalLM.from_pretrained(stage_dir).state_dict()
+    for key in init:  # the formula, written out independently: per-tensor angle, SLERP at 1/2, LITI with eta 0.3
+        d1, d2 = (r0[key] - init[key]).double().flatten(), (r1[key] - init[key]).double().flatten()
+        omega = torch.arccos(d1 @ d2 / (d1.norm() * d2.norm()))
+        slerped = (torch.sin(omega / 2) / torch.sin(omega)) * (d1 + d2)
+        expected = (init[key].double().flatten() + 0.3 * slerped).reshape(init[key].shape).float()
+        assert torch.allclose(got[key], expected, atol=1e-6, rtol=0), key
+
+
+def test_warp_zero_task_vector(family, tmp_path):
+    run = tmp_path / "run"
+    _merge_stage_dir(run, "init", family["init"])
+    _merge_stage_dir(run, "rl_0", family["runs"][0])
+    _merge_stage_dir(run, "rl_1", family["init"])  # a run that changed nothing
+    stage = StageSpec(name="warp", trainer="merge", model="stage:init", dataset="embedded:arithmetic")
+    stage_dir = _merge_stage_dir(run, "warp", family["init"])
+    with pytest.raises(ZeroTaskVectorError, match=r"warp: tensor '[^']+' did not change in 'stage:rl_1'"):
+        Warp(WarpParams(runs=["stage:rl_0", "stage:rl_1"])).trl_ext_after_stage(
+            stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer())
+    summary = Warp(WarpParams(runs=["stage:rl_0", "stage:rl_1"], zero_task_vector="linear", eta=1.0)
+                   ).trl_ext_after_stage(stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer())
+    assert summary["warp"]["zero_task_vector_tensors"] == summary["warp"]["merged_tensors"]
+    init, r0, got = _weights(family["init"]), _weights(family["runs"][0]), _weights(stage_dir)
+    for key in init:  # linear: init + (delta_1 + 0) / 2
+        assert torch.allclose(got[key], (init[key] + r0[key]) / 2, atol=1e-6), key
+    assert json.loads((stage_dir / "config.json").read_text())["model_type"] == "qwen2"

@@ -1,0 +1,103 @@
+"""The ``merge`` trainer: a stage that trains nothing and whose plugins build its model from other models.
+
+Pipelines end in weight-space merges (checkpoint soups, WARP's SLERP + LITI) of earlier stages. Such a stage is a
+recipe stage like any other (its output is ``stage:<name>`` for later stages, it is skipped once complete, and it
+resumes by re-running), but it has no optimiser, data loader or checkpoints, so it is not a TRL trainer:
+
+* ``train()`` does nothing (zero steps);
+* ``save_model(dir)`` copies the stage's ``model:`` folder (config, weights, generation config) file by file,
+  without loading it; the stage's merge plugin then overwrites the weights in ``trl_ext_after_stage``;
+* ``model`` is a stand-in that loads the model from wherever the weights currently are at its first use, so a stage
+  ``evaluation`` sees the ``model:`` before and the merged weights after, and a stage without evaluation never
+  loads a whole model (the runner's save step only inspects ``trainer.model``; the merge itself streams).
+
+The recipe schema requires a ``dataset`` on every stage; the runner loads it, and this trainer ignores it. Only
+single-process runs write; under several processes the main process copies and the plugins synchronise.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from transformers import TrainerState, TrainingArguments
+from transformers.trainer_utils import TrainOutput
+
+from trl_ext.trainers.base import HostMixin
+
+# Files of a model folder the merge stage copies from its `model:` (weights are rewritten by the merge plugin).
+_SKIP = {"checkpoints", "stage.json", "metrics.jsonl", "eval.json"}
+
+
+class MergeConfig(TrainingArguments):
+    """``TrainingArguments`` (so ``seed``, ``report_to`` and the runner's ``--max-steps`` cap parse); none is used."""
+
+
+class _NoAccelerator:
+    """What the runner and plugins read from ``trainer.accelerator`` on a stage that never distributes a model."""
+
+    def __init__(self):
+        from accelerate import PartialState
+
+        self.state = PartialState()
+        self.device = self.state.device
+        self.is_main_process = self.state.is_main_process
+
+    @staticmethod
+    def unwrap_model(model):
+        return model
+
+    def wait_for_everyone(self):
+        self.state.wait_for_everyone()
+
+
+class _LazyModel:
+    """Forwards attribute access and calls to a model loaded at first use (``generate``, ``eval``, ``device`` ...)."""
+
+    def __init__(self, folder: Path, device):
+        self._folder, self._device, self._loaded = folder, device, None
+
+    def _get(self):
+        if self._loaded is None:
+            from transformers import AutoModelForCausalLM
+
+            self._loaded = AutoModelForCausalLM.from_pretrained(self._folder).to(self._device)
+        return self._loaded
+
+    def __getattr__(self, name):
+        return getattr(self._get(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._get()(*args, **kwargs)
+
+
+def check_stage(host, stage, args, where: str) -> list[str]:
+    """A merge stage without a plugin that writes its weights would silently be a copy of its ``model:``."""
+    if host.implements("trl_ext_after_stage"):
+        return []
+    return [f"{where}.plugins: the merge trainer needs a merge plugin (checkpoint_average or warp); the stage selects "
+            f"{host.names() or 'none'}"]
+
+
+class ExtMergeTrainer(HostMixin):
+    def __init__(self, model: str, args: MergeConfig, processing_class=None, *, plugin_host, **_unused):
+        self._init_host(plugin_host)
+        self.args = args
+        self.model_path = Path(model)
+        self.state = TrainerState()
+        self.accelerator = _NoAccelerator()
+        self.model = _LazyModel(self.model_path, self.accelerator.device)
+
+    def train(self, resume_from_checkpoint=None):
+        return TrainOutput(global_step=0, training_loss=None, metrics={})
+
+    def save_model(self, output_dir: str) -> None:
+        """Copy the ``model:`` folder into the stage folder (the merge plugin replaces its weights next)."""
+        target = Path(output_dir)
+        if self.accelerator.is_main_process:
+            target.mkdir(parents=True, exist_ok=True)
+            for item in self.model_path.iterdir():
+                if item.is_file() and item.name not in _SKIP:
+                    shutil.copyfile(item, target / item.name)
+        self.accelerator.wait_for_everyone()
+        self.model = _LazyModel(target, self.accelerator.device)  # the next use reads the merged weights
