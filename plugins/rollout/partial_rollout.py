@@ -23,7 +23,7 @@ BUFFER_FILE = "partial_rollout_rank{rank}.json"
 
 class PartialRolloutParams(PluginParams):
     finish_fraction: float = Field(0.75, gt=0.0, le=1.0, description="lambda: generation stops once ceil(lambda * N) "
-                                   "of the N trajectories of this rank's generation batch have finished (EOS or "
+                                   "of the N trajectories this rank is generating have finished (EOS or "
                                    "max_completion_length). 1 = plain generation.")
     mask_offpolicy: bool = Field(False, description="Give tokens sampled by an older policy version zero loss weight "
                                  "(slime's --mask-offpolicy-in-partial-rollout); false keeps them, corrected only by "
@@ -76,7 +76,7 @@ class StopWhenEnoughFinished(StoppingCriteria):
 class PartialRollout(Plugin):
     """Partial rollouts (Kimi k1.5, arXiv 2501.12599; APRIL, arXiv 2509.18521; ALGORITHMS.md item 44).
 
-    In training, generation stops once ``ceil(lambda * N)`` of the ``N`` trajectories of this rank's generation batch
+    In training, generation stops once ``ceil(lambda * N)`` of the ``N`` trajectories this rank is generating
     have finished (``finish_fraction``, default 0.75). The unfinished trajectories keep their tokens, their per-token
     sampling log-probs and the policy version (``trainer.state.global_step``) of every token; their whole prompt group
     waits in a buffer and takes the first slots of the next generation batch, where its unfinished trajectories
@@ -89,9 +89,11 @@ class PartialRollout(Plugin):
     * the unit of buffering is the prompt group (GRPO advantages need whole groups): a group trains in the step in
       which its last trajectory finishes; groups still unfinished get zero advantage and a zero completion mask in
       this step (``trl_ext_filter_groups``), so they leave every token count;
-    * the stop rule counts per rank (no collective inside generation); a trajectory cut by ``max_completion_length``
-      counts as finished (TRL's ``clipped_ratio``); already-finished members of resumed groups count too, and at
-      least one more trajectory always finishes per call so generation always progresses;
+    * the stop rule counts the trajectories this call generates, per rank (no collective inside generation):
+      ``ceil(lambda * N_active)``, where ``N_active`` excludes finished members of resumed groups, which only wait (had
+      they counted, a batch of mostly waiting members would stop after one more token); a trajectory cut by
+      ``max_completion_length`` counts as finished (TRL's ``clipped_ratio``). At least one trajectory finishes per
+      call, so generation always progresses;
     * the sampling log-probs come from the processed scores of the step that sampled each token (as
       ``rollout_logprobs``), so the plugin provides ``sampling_logprobs``: importance-sampling plugins (tis, mis,
       icepop, m2po) then correct the stale segment; ``mask_offpolicy: true`` removes it from the loss instead (a mask,
@@ -203,8 +205,7 @@ class PartialRollout(Plugin):
         states = [copy.deepcopy(p) if p is not None else Trajectory() for p in plan]
         active = [i for i, s in enumerate(states) if not s.finished]
         max_len = trainer.max_completion_length
-        already = len(states) - len(active)
-        target = max(1, finish_target(len(states), self.params.finish_fraction) - already)
+        target = finish_target(len(active), self.params.finish_fraction)
         self._last_steps = 0
         if active:
             device = trainer.accelerator.device

@@ -1,0 +1,111 @@
+"""Rollout wall time per step with ``partial_rollout`` against the same GRPO trainer without it (tiny model, CPU).
+
+Run: python benchmarks/partial_rollout.py [--rollouts 8] [--batch 32] [--generations 4] [--max-completion-length 64]
+     [--eos-bias 1.6] [--fractions 0.75 0.5]
+
+The untrained tiny model gets a constant bonus on the EOS logit (a forward hook on ``lm_head``), so every decoding step
+ends a trajectory with a small fixed probability: completion lengths are geometric, a long-tailed distribution where
+the slowest trajectory of a batch sets the step's decoding time. Each configuration (no plugin, then
+``partial_rollout`` at each lambda) runs the same number of rollouts (``_generate_and_score_completions`` on the same
+prompts, same seed) in this one process; between rollouts ``state.global_step`` advances, as after an optimizer step,
+so resumed tokens carry older policy versions. Reported per configuration: mean rollout seconds per step, decoding
+steps per rollout, trajectories that trained (belong to finished groups) per step, and the ratios against the run
+without the plugin: time per step, and time per trained trajectory (the fair figure: partial rollouts defer groups).
+Held-out reward is not measured here (the model is untrained); the recipe configs/partial_rollout.yaml logs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def build(plugin, model_dir: Path, out: Path, batch: int, generations: int, length: int, eos_bias: float):
+    from transformers import AutoTokenizer
+
+    from trl_ext.embedded.arithmetic import arithmetic_dataset, exact_match_reward
+    from trl_ext.host import PluginHost
+    from trl_ext.stage import default_args
+    from trl_ext.trainers import TRAINER_KINDS, BuildContext
+
+    kind = TRAINER_KINDS["grpo"]
+    args = {**default_args(kind), "max_steps": 1, "save_strategy": "no", "seed": 0, "per_device_train_batch_size": batch,
+            "num_generations": generations, "max_completion_length": length, "gradient_checkpointing": False,
+            "temperature": 1.0}
+    host = PluginHost([plugin] if plugin is not None else [])
+    ctx = BuildContext(model=str(model_dir), ref_model=None, teacher=None,
+                       config=kind.config_cls(output_dir=str(out), **args),
+                       train_dataset=arithmetic_dataset("train", format="prompt", size=512), eval_dataset=None,
+                       tokenizer=AutoTokenizer.from_pretrained(model_dir), peft_config=None, callbacks=[], host=host,
+                       reward_funcs=[exact_match_reward], reward_weights=[])
+    trainer = kind.build(ctx)
+    host.hook.trl_ext_trainer_created(trainer=trainer)
+    trainer.model.train()
+    eos = trainer.eos_token_ids[0]
+
+    def add_eos_bias(module, inputs, output):
+        output = output.clone()
+        output[..., eos] += eos_bias
+        return output
+
+    trainer.model.lm_head.register_forward_hook(add_eos_bias)
+    return trainer
+
+
+def run(trainer, plugin, rollouts: int, batch: int, generations: int) -> dict[str, float]:
+    """Mean seconds per rollout, decoding steps per rollout and trained trajectories per rollout."""
+    seconds, steps, trained = 0.0, 0, 0
+    torch.manual_seed(0)
+    for r in range(rollouts):
+        inputs = [trainer.train_dataset[(r * batch + i) // generations] for i in range(batch)]
+        start = time.perf_counter()
+        output = trainer._generate_and_score_completions(inputs)
+        seconds += time.perf_counter() - start
+        trained += int((output["completion_mask"].sum(1) > 0).sum())
+        steps += (plugin.history[-1]["partial_rollout/generation_steps"] if plugin is not None
+                  else int(output["completion_mask"].sum(1).max()))
+        trainer.state.global_step += 1
+    return {"seconds": seconds / rollouts, "decode_steps": steps / rollouts, "trained": trained / rollouts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--max-completion-length", type=int, default=64)
+    parser.add_argument("--eos-bias", type=float, default=1.6)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.5])
+    a = parser.parse_args()
+
+    from trl_ext.embedded.models import materialize_model
+    from trl_ext_plugins.rollout.partial_rollout import PartialRollout
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = materialize_model("tiny-qwen2", Path(tmp) / "model", seed=0)
+        results = {}
+        for fraction in [None, *a.fractions]:
+            plugin = None if fraction is None else PartialRollout(PartialRollout.Params(finish_fraction=fraction))
+            trainer = build(plugin, model_dir, Path(tmp) / f"out-{fraction}", a.batch, a.generations,
+                            a.max_completion_length, a.eos_bias)
+            run(trainer, plugin, 1, a.batch, a.generations)  # warm-up (not timed)
+            results[fraction] = run(trainer, plugin, a.rollouts, a.batch, a.generations)
+    base = results[None]
+    print(f"{a.rollouts} rollouts of {a.batch} trajectories ({a.batch // a.generations} prompts x {a.generations}), "
+          f"max_completion_length {a.max_completion_length}, EOS bias {a.eos_bias} (geometric lengths)")
+    print(f"{'configuration':<26}{'s/step':>9}{'decode steps':>14}{'trained/step':>14}{'time ratio':>12}"
+          f"{'s/trained ratio':>17}")
+    for fraction, r in results.items():
+        name = "no plugin (TRL)" if fraction is None else f"partial_rollout lambda={fraction}"
+        per_trained = (r["seconds"] / r["trained"]) / (base["seconds"] / base["trained"]) if r["trained"] else float("inf")
+        print(f"{name:<26}{r['seconds']:>9.3f}{r['decode_steps']:>14.1f}{r['trained']:>14.1f}"
+              f"{r['seconds'] / base['seconds']:>12.2f}{per_trained:>17.2f}")
+
+
+if __name__ == "__main__":
+    main()
