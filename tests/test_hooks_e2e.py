@@ -60,6 +60,12 @@ class Recorder(Plugin):
         return generate(prompts)
 
     @hookimpl
+    def trl_ext_model_forward(self, trainer, model, phase, inputs):
+        _seen("trl_ext_model_forward")
+        _seen(f"model_forward:{phase}")
+        return None
+
+    @hookimpl
     def trl_ext_shape_rewards(self, rewards_per_func, batch):
         _seen("trl_ext_shape_rewards")
         assert rewards_per_func.shape == (batch.completion_lengths.numel(), len(batch.reward_names))
@@ -157,7 +163,9 @@ def test_recipe_runs_every_hook_and_writes_outputs(tmp_path):
     })
     info = run_recipe(recipe, tmp_path, _catalog(), echo=lambda _m: None)
     run_hooks = SPEC_NAMES - REGISTRATION_HOOKS
-    assert set(CALLS) == run_hooks, f"never called: {sorted(run_hooks - set(CALLS))}"
+    phases = {name for name in CALLS if name.startswith("model_forward:")}
+    assert phases == {"model_forward:generate", "model_forward:reference", "model_forward:train"}  # beta != 0
+    assert set(CALLS) - phases == run_hooks, f"never called: {sorted(run_hooks - set(CALLS))}"
 
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["status"] == "complete" and info["status"] == "complete"

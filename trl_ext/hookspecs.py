@@ -183,6 +183,31 @@ def trl_ext_generate(trainer: Any, prompts: list[Any], generate: Callable[[list[
 
 
 @hookspec
+def trl_ext_model_forward(trainer: Any, model: Any, phase: str, inputs: dict[str, Any]) -> Any:
+    """Wrap one pass of the policy (or reference) model in a context manager (e.g. MoE routing capture and replay).
+
+    Called by the GRPO trainer on every rank just before the pass; the returned context is entered around it:
+
+    * ``phase="generate"``: around the rollout generation of a batch (including ``trl_ext_generate``), with
+      ``model = trainer.model`` and ``inputs = {"prompts": prompts}``; before the context exits the host sets
+      ``inputs["output"]`` to the generation result (TRL's 8-tuple, see ``trl_ext_generate``).
+    * ``phase="old_policy"`` / ``phase="reference"``: around TRL's no-grad log-prob forward of the whole generation
+      batch with the policy at sampling time, or with the reference (``trainer.ref_model``, or the policy with its PEFT
+      adapter disabled / its ``ref`` adapter active). ``inputs`` holds ``input_ids`` and ``attention_mask``
+      ``(B, P + C)`` (prompt left-padded, completion right-padded), ``logits_to_keep`` and ``batch_size``: TRL calls
+      the model on consecutive chunks of ``batch_size`` rows, in order.
+    * ``phase="train"``: around the loss of one micro-batch (``_compute_loss``, in training and evaluation), with the
+      micro-batch dict TRL's loss receives as ``inputs`` (``prompt_ids``, ``completion_ids``, masks, and the keys of
+      ``RolloutBatch.loss_extras``, split and shuffled with the rows). The backward pass, and any
+      gradient-checkpointing recomputation, run after the context has exited.
+
+    Return a context manager, or ``None`` for nothing. ``model`` is the (possibly wrapped) model of the pass.
+
+    Composition: every returned context is entered, in recipe order, and exited in reverse. Since 0.1.
+    """
+
+
+@hookspec
 def trl_ext_shape_rewards(rewards_per_func: torch.Tensor, batch: RolloutBatch) -> torch.Tensor | None:
     """Reshape rewards before advantages are computed (length shaping, per-group bonuses, clipping).
 

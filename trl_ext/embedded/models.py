@@ -92,6 +92,17 @@ _CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], type[PreTrainedModel]]
 }
 
 
+def embedded_config(name: str) -> PretrainedConfig:
+    """The config of embedded model `name` with `architectures` naming its class, without building weights (for
+    checks at recipe validation, e.g. whether the model is a mixture of experts)."""
+    if name not in _CONFIGS:
+        raise ValueError(f"Unknown embedded model {name!r}; choose one of {sorted(_CONFIGS)}")
+    make_config, model_class = _CONFIGS[name]
+    config = make_config()
+    config.architectures = [model_class.__name__]
+    return config
+
+
 def build_model(name: str = "tiny-qwen2", seed: int = 0) -> PreTrainedModel:
     """Build the embedded model `name` with random weights drawn from `seed` (same seed, same weights)."""
     if name not in _CONFIGS:

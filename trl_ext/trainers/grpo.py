@@ -15,6 +15,8 @@ TRL 1.16 internals relied on (re-check when widening the TRL pin):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from accelerate.utils import gather
 from trl import GRPOTrainer
@@ -85,6 +87,14 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
     # -- generation -------------------------------------------------------------------------------------------------
 
     def _generate(self, prompts):
+        if not self.plugin_host.implements("trl_ext_model_forward"):
+            return self._generate_with_plugins(prompts)
+        inputs = {"prompts": prompts}
+        with self._forward_contexts("generate", self.model, inputs):
+            inputs["output"] = self._generate_with_plugins(prompts)
+        return inputs["output"]
+
+    def _generate_with_plugins(self, prompts):
         if not self.plugin_host.implements("trl_ext_generate"):
             return super()._generate(prompts)
         result = self.plugin_host.hook.trl_ext_generate(trainer=self, prompts=prompts, generate=super()._generate)
@@ -134,7 +144,11 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
 
     def _score_round(self, inputs):
         """One generation round: TRL's generate-and-score plus the rollout hooks -> (output, gathered keep or None)."""
-        output = super()._generate_and_score_completions(inputs)
+        self._scoring = True  # log-prob forwards from here on are the old-policy / reference passes
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._scoring = False
         batch, self._pending_rollout = self._pending_rollout, None
         if batch is None:
             return output, None
@@ -171,9 +185,10 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
     # -- loss -------------------------------------------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
-        if not any(self.plugin_host.implements(h) for h in LOSS_HOOKS):
-            return super()._compute_loss(model, inputs)
-        return self._plugin_loss(model, inputs)
+        with self._forward_contexts("train", model, inputs):
+            if not any(self.plugin_host.implements(h) for h in LOSS_HOOKS):
+                return super()._compute_loss(model, inputs)
+            return self._plugin_loss(model, inputs)
 
     def _plugin_loss(self, model, inputs):
         """trl-ext's loss pipeline: objective -> token weights -> (+ beta * KL) -> aggregation -> + extra terms."""
@@ -257,6 +272,46 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         if self.importance_sampling_level == "sequence":
             log_ratio = ((log_ratio * li.mask).sum(-1) / li.mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
         return torch.exp(log_ratio)
+
+    # -- model forward contexts (trl_ext_model_forward) -------------------------------------------------------------
+
+    def _forward_contexts(self, phase, model, inputs):
+        """Every plugin's ``trl_ext_model_forward`` context for one pass, entered in recipe order (a no-op when no
+        plugin implements the hook)."""
+        with contextlib.ExitStack() as stack:
+            if self.plugin_host.implements("trl_ext_model_forward"):
+                for context in self.plugin_host.hook.trl_ext_model_forward(trainer=self, model=model, phase=phase,
+                                                                           inputs=inputs):
+                    if context is not None:
+                        stack.enter_context(context)
+            return stack.pop_all()
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
+        if not getattr(self, "_scoring", False) or not self.plugin_host.implements("trl_ext_model_forward"):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, **kwargs)
+        phase = "reference" if self._is_reference_pass(model) else "old_policy"
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep,
+                  "batch_size": batch_size or input_ids.size(0)}
+        with self._forward_contexts(phase, model, inputs):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, **kwargs)
+
+    def _is_reference_pass(self, model) -> bool:
+        """TRL's reference forward: the separate reference model, or the policy with its PEFT adapter disabled (new
+        adapter) or its ``ref`` adapter active (re-trained adapter), as ``trl.trainer.utils.use_adapter`` sets it."""
+        if self.ref_model is not None and model is self.ref_model:
+            return True
+        unwrapped = self.accelerator.unwrap_model(model)
+        if not hasattr(unwrapped, "peft_config"):
+            return False
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if getattr(unwrapped, "active_adapter", None) == "ref":
+            return True
+        layer = next((m for m in unwrapped.modules() if isinstance(m, BaseTunerLayer)), None)
+        return layer is not None and layer.disable_adapters
 
     def _masked_global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]).detach(), reduction="sum")
