@@ -15,6 +15,7 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
+from trl_ext.ops import KLTerm
 from trl_ext.host import PluginHost
 from trl_ext.trainers.grpo import ExtGRPOTrainer
 from trl_ext_plugins.corrections.icepop import IcePop
@@ -79,7 +80,8 @@ def trainer_like(args, theta):
                                    sapo_temperature_neg=a["sapo_temperature_neg"]),
         _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, torch.zeros_like(leaf), None),
     )
-    for name in ("_plugin_loss", "_trl_ratio", "_masked_global_mean", "_log_plugin_metrics"):
+    t.kl_term = KLTerm("k3", bias_correction=t.args.use_bias_correction_kl)  # what ExtGRPOTrainer.__init__ sets
+    for name in ("_plugin_loss", "_masked_global_mean", "_log_plugin_metrics"):
         setattr(t, name, types.MethodType(getattr(ExtGRPOTrainer, name), t))
     return t, leaf
 

@@ -35,6 +35,7 @@ class RolloutBatch:
     prompt_ids: torch.Tensor | None = None  # (B, P) this rank's left-padded prompt ids (for extra forward passes)
     prompt_mask: torch.Tensor | None = None  # (B, P)
     trainer: Any = None  # the trl-ext trainer, for plugins that must generate or score (e.g. ReMax, PPO critic)
+    tool_mask: torch.Tensor | None = None  # (B, T) 0 on tool/observation tokens inside multi-turn completions
     metrics: dict[str, float] = field(default_factory=dict)  # plugins add figures here; the host logs them
     # this rank's (B, ...) tensors a plugin hands to its loss hooks: split into micro-batches with the rollout and
     # passed as LossInputs.extra[key] (use a plugin-specific key prefix)
@@ -43,6 +44,13 @@ class RolloutBatch:
     @property
     def num_groups(self) -> int:
         return self.rewards_per_func.shape[0] // self.num_generations
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``(B, T)`` float: the tokens the policy loss trains on (completion tokens minus tool tokens), as the GRPO
+        loss masks them; token-level advantage estimators (returns, GAE, whitening) use it."""
+        mask = self.completion_mask.to(torch.float32)
+        return mask if self.tool_mask is None else mask * self.tool_mask.to(torch.float32)
 
 
 @dataclass

@@ -38,28 +38,81 @@ def sapo_objective(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
 
 
+def straight_through_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(x - sg(x)) * sg(safe_ratio(x))``: the value of :func:`safe_ratio` (clamped to e^+-20), with the gradient
+    d/dx = that finite value for *any* x. Used where a paper's gradient must survive extreme ratios (CE-GPPO): the
+    clamped ratio alone has zero gradient beyond +-20. ``x`` must be finite (mask non-loss positions with ``where``).
+    """
+    return torch.exp(log_ratio - log_ratio.detach()) * safe_ratio(log_ratio.detach())
+
+
+def where_mask(values: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """``values`` on ``mask`` tokens, ``fill`` elsewhere, via ``torch.where`` (never a product: -inf * 0 is NaN); the
+    gradient at non-mask positions is exactly zero."""
+    return torch.where(mask.bool(), values, torch.as_tensor(fill, dtype=values.dtype, device=values.device))
+
+
+# -- KL estimators (ALGORITHMS.md convention 4), d = log pi_theta - log pi_ref per sampled token ------------------------
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
+
+
+def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor, estimator: str = "k3",
+                clamp: float | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs (Schulman, "Approximating KL
+    divergence", 2020): ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = e^-d - 1 + d`` (TRL's and GRPO's estimator, >= 0);
+    ``k3+`` = the k3 value with the k2 gradient, ``k2 + sg(k3 - k2)`` (verl's "low_var_kl+" straight-through form:
+    k2's gradient is the unbiased gradient of the KL). The exponent of k3 is clamped to +-20 (the convention-6 clamp),
+    so k3 stays finite for any d; values agree with the unclamped formula for |d| <= 20. ``clamp``: optionally clamp the
+    estimate to [-clamp, clamp] (verl clamps k3 to +-10); ``None`` = no clamp (TRL).
+    """
+    d = per_token_logps - ref_per_token_logps
+    if estimator == "k1":
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    elif estimator in ("k3", "k3+"):
+        kl = torch.exp((-d).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + d
+        if estimator == "k3+":
+            k2 = 0.5 * d * d
+            kl = k2 + (kl - k2).detach()
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
+
+
 def kl_k3(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi || pi_ref) per sampled token: exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased)."""
-    delta = ref_per_token_logps - per_token_logps
-    return torch.exp(delta) - delta - 1
+    return kl_estimate(per_token_logps, ref_per_token_logps, "k3")
 
 
 # -- aggregation: (per_token_loss, mask) -> scalar, before gradient-accumulation scaling ----------------------------
 
 
 def seq_mean_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over each sequence's tokens, then over sequences (GRPO paper, GSPO, SAPO; TRL ``grpo``)."""
-    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    """Mean over each sequence's tokens, then over sequences (GRPO paper, GSPO, SAPO; TRL ``grpo``). Every row counts
+    in the mean over sequences, also one whose tokens are all masked (it contributes 0), as TRL."""
+    return (where_mask(per_token_loss, mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def seq_mean_token_sum(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over each sequence's tokens, then mean over sequences (verl ``seq-mean-token-sum``)."""
+    return where_mask(per_token_loss, mask).sum(-1).mean()
+
+
+def token_sum(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over all loss tokens of the micro-batch (verl/NeMo-RL ``token-sum``: no normalisation at all)."""
+    return where_mask(per_token_loss, mask).sum()
 
 
 def token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over all tokens / number of tokens in this micro-batch (TRL ``bnpo``)."""
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    return where_mask(per_token_loss, mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def constant_normalized(per_token_loss: torch.Tensor, mask: torch.Tensor, max_length: int) -> torch.Tensor:
     """Sum over tokens / (B * L) with a constant L (Dr. GRPO, arXiv 2503.20783; TRL ``dr_grpo``)."""
-    return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_length)
+    return where_mask(per_token_loss, mask).sum() / (per_token_loss.size(0) * max_length)
 
 
 def sequence_mean_nll(per_token_nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -73,3 +126,31 @@ def sequence_mean_nll(per_token_nll: torch.Tensor, mask: torch.Tensor) -> torch.
 def dpo_sigmoid_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
     """DPO (arXiv 2305.18290): -log sigmoid(beta * ((log pi/pi_ref)(y_w) - (log pi/pi_ref)(y_l))), per example."""
     return -F.logsigmoid(beta * (chosen_logratios - rejected_logratios))
+
+
+# -- the KL-to-reference loss term ------------------------------------------------------------------------------------
+
+
+class KLTerm:
+    """How the GRPO loss pipeline forms its per-token KL-to-reference term ``beta * KL_t`` (added when ``args.beta``
+    is non-zero). ``estimator``: one of :data:`KL_ESTIMATORS` (default ``k3``, GRPO arXiv 2402.03300 and TRL);
+    ``bias_correction``: multiply the estimate by the importance ratio pi_theta/pi_old (TRL's
+    ``use_bias_correction_kl``, on by default in TRL 1.16; it makes the estimate unbiased for samples from pi_old);
+    ``clamp``: optional symmetric clamp of the estimate (verl uses 10 for k3; ``None`` = TRL, no clamp)."""
+
+    __slots__ = ("estimator", "bias_correction", "clamp")
+
+    def __init__(self, estimator: str = "k3", bias_correction: bool = True, clamp: float | None = None):
+        if estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+        self.estimator, self.bias_correction, self.clamp = estimator, bias_correction, clamp
+
+    def __repr__(self) -> str:
+        return f"KLTerm({self.estimator!r}, bias_correction={self.bias_correction}, clamp={self.clamp})"
+
+    def per_token(self, per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
+                  ratio: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-token KL term before ``beta``; ``ratio`` (pi_theta/pi_old, with gradient, as TRL) is applied when
+        ``bias_correction`` is on."""
+        kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator, self.clamp)
+        return kl * ratio if self.bias_correction and ratio is not None else kl

@@ -103,55 +103,60 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "
 
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
-    """1 at the last valid token of each right-padded row (rows with no token get none)."""
+    """1 at the last valid token of each row (rows with no token get none). The mask may have interior gaps (tool or
+    observation tokens of a multi-turn completion): the last *valid* token is found by position, not by count."""
     mask = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
-    lengths = mask.sum(-1).long()
+    valid = mask > 0
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).max(-1).values
     out = torch.zeros_like(mask)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = 1
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = 1
     return out
 
 
 def token_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
                   kl_coef: float = 0.0) -> torch.Tensor:
-    """RLHF per-token rewards ``r_t = 1[t = last] * R - kl_coef * KL_t`` on valid tokens, 0 on padding."""
-    mask = mask.to(sequence_rewards.dtype)
+    """RLHF per-token rewards ``r_t = 1[t = last valid] * R - kl_coef * KL_t`` on valid tokens, 0 elsewhere."""
     out = last_token_mask(mask).to(sequence_rewards.dtype) * sequence_rewards.unsqueeze(-1)
     if kl is not None and kl_coef:
         out = out - kl_coef * kl.to(out.dtype)
-    return out * mask
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float | torch.Tensor = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2015, arXiv 1506.02438) over right-padded sequences.
+    """Generalised advantage estimation (Schulman et al. 2015, arXiv 1506.02438) over masked sequences.
 
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` after the last valid token = 0; ``A_t = sum_l (gamma*lam)^l
-    delta_{t+l}`` within the sequence. ``lam`` is a float or a ``(B,)``/``(B, 1)`` tensor (length-adaptive lambda).
-    Returns ``(advantages, returns)`` with ``returns = A + V``; both are 0 on padding.
+    ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where *next* is the next
+    valid token of the row and ``V``/``A`` after the last valid token are 0. Invalid tokens (padding, and tool or
+    observation tokens inside a multi-turn completion) are skipped, not treated as the end of the episode: values and
+    the running advantage carry across the gap and the gap costs no discount step (verl's multi-turn GAE). ``lam`` is a
+    float or a ``(B,)``/``(B, 1)`` tensor (length-adaptive lambda). Returns ``(advantages, returns)`` with
+    ``returns = A + V``; both are 0 on invalid tokens. Rewards on invalid tokens are ignored.
     """
-    mask = mask.to(rewards.dtype)
+    valid = mask.bool()
     lam_t = torch.as_tensor(lam, dtype=rewards.dtype, device=rewards.device)
     if lam_t.dim() == 1:
         lam_t = lam_t.unsqueeze(-1)
     lam_t = lam_t.expand(rewards.shape[0], 1) if lam_t.dim() else lam_t
-    values = values.to(rewards.dtype) * mask
-    rewards = rewards * mask
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    values = torch.where(valid, values.to(rewards.dtype), zero)
     advantages = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, :1])
-    next_value = torch.zeros_like(running)
-    next_mask = torch.zeros_like(running)
+    running = torch.zeros_like(rewards[:, :1])  # A at the next valid token (0 after the last)
+    next_value = torch.zeros_like(running)  # V at the next valid token (0 after the last)
     for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t : t + 1] + gamma * next_value * next_mask - values[:, t : t + 1]
-        running = delta + gamma * lam_t * next_mask * running
-        advantages[:, t : t + 1] = running
-        next_value, next_mask = values[:, t : t + 1], mask[:, t : t + 1]
-    advantages = advantages * mask
-    return advantages, (advantages + values) * mask
+        here = valid[:, t : t + 1]
+        delta = rewards[:, t : t + 1] + gamma * next_value - values[:, t : t + 1]
+        running = torch.where(here, delta + gamma * lam_t * running, running)
+        next_value = torch.where(here, values[:, t : t + 1], next_value)
+        advantages[:, t : t + 1] = torch.where(here, running, zero)
+    return advantages, torch.where(valid, advantages + values, zero)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """``G_t = sum_{s >= t} gamma^(s-t) r_s`` within each sequence (GAE with V = 0 and lambda = 1)."""
+    """``G_t = sum_{s >= t} gamma^(s-t) r_s`` over the valid tokens of each sequence (GAE with V = 0 and lambda = 1):
+    invalid interior tokens are skipped (the return carries across them, undiscounted), not episode ends."""
     return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
 
 
@@ -171,10 +176,11 @@ def _sum(t: torch.Tensor, reduce: Reduce) -> torch.Tensor:
 
 def masked_moments(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance of ``values`` over ``mask`` across all ranks (two passes for accuracy)."""
-    mask = mask.to(values.dtype)
-    totals = _sum(torch.stack([(values * mask).sum(), mask.sum()]), reduce)
+    valid, mask = mask.bool(), mask.to(values.dtype)
+    values = torch.where(valid, values, torch.zeros_like(values))  # where, not a product: -inf/NaN off-mask stay out
+    totals = _sum(torch.stack([values.sum(), mask.sum()]), reduce)
     mean = totals[0] / totals[1].clamp(min=1.0)
-    squares = _sum(((values - mean) ** 2 * mask).sum(), reduce)
+    squares = _sum(torch.where(valid, (values - mean) ** 2, torch.zeros_like(values)).sum(), reduce)
     var = squares / (totals[1] - 1).clamp(min=1.0)
     return mean, var
 
@@ -182,7 +188,7 @@ def masked_moments(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = No
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None) -> torch.Tensor:
     """``(x - mean) / sqrt(var + 1e-8)`` over the valid tokens of the global batch; padding stays 0."""
     mean, var = masked_moments(values, mask, reduce)
-    return (values - mean) * torch.rsqrt(var + WHITEN_EPS) * mask.to(values.dtype)
+    return torch.where(mask.bool(), (values - mean) * torch.rsqrt(var + WHITEN_EPS), torch.zeros_like(values))
 
 
 def torch_distributed_sum(t: torch.Tensor) -> torch.Tensor:

@@ -135,14 +135,14 @@ class PPO(Plugin):
             return token_rewards(sequence, mask)
         kl = kl_estimate(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(),
                          self.params.kl_estimator)
-        batch.metrics["ppo/kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1.0)).item()
+        batch.metrics["ppo/kl"] = (torch.where(mask.bool(), kl, 0.0).sum() / mask.sum().clamp(min=1.0)).item()
         return token_rewards(sequence, mask, kl, self.params.kl_coef)
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
         p = self.params
         trainer = batch.trainer
-        mask = batch.completion_mask.to(torch.float32)
+        mask = batch.loss_mask  # completion tokens minus tool tokens, as the policy loss
         critic_inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         self.critic.eval()
         with torch.no_grad():

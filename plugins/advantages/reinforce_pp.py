@@ -50,12 +50,12 @@ class ReinforcePP(Plugin):
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
-        mask = batch.completion_mask.to(torch.float32)
+        mask = batch.loss_mask  # completion tokens minus tool tokens, as the policy loss
         kl = kl_estimate(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(),
                          self.params.kl_estimator)
         per_token = token_rewards(torch.nan_to_num(local(rewards, batch)).float(), mask, kl, self.params.kl_coef)
         returns = discounted_returns(per_token, mask, self.params.gamma)
-        batch.metrics["reinforce_pp/kl"] = (kl * mask).sum().item() / max(mask.sum().item(), 1.0)
+        batch.metrics["reinforce_pp/kl"] = torch.where(mask.bool(), kl, 0.0).sum().item() / max(mask.sum().item(), 1.0)
         return masked_whiten(returns, mask, rank_reduce(batch))
 
 
@@ -77,6 +77,6 @@ class ReinforcePPBaseline(Plugin):
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
         centred = local(rewards - group_mean_baseline(rewards, batch.num_generations), batch)
-        mask = batch.completion_mask.to(torch.float32) * (~torch.isnan(centred)).unsqueeze(-1)
+        mask = batch.loss_mask * (~torch.isnan(centred)).unsqueeze(-1)
         per_token = torch.nan_to_num(centred).float().unsqueeze(-1) * mask
         return masked_whiten(per_token, mask, rank_reduce(batch))

@@ -73,7 +73,7 @@ class VAPO(PPO):
         if self.params.nll_coef > 0:
             positive = torch.nan_to_num(rewards, nan=float("-inf")) > self.params.positive_threshold
             mine = local(positive, batch).to(torch.float32)
-            tokens = (batch.completion_mask.to(torch.float32) * mine.unsqueeze(-1)).sum()
+            tokens = (batch.loss_mask * mine.unsqueeze(-1)).sum()
             reduce = rank_reduce(batch)
             tokens = tokens if reduce is None else reduce(tokens)
             batch.loss_extras[POSITIVE] = mine

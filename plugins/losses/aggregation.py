@@ -24,8 +24,16 @@ def _batch_token_mean(loss, mask, li, constant):
     return _grpo_helpers()[1](ops.token_mean(loss, mask), li)
 
 
+def _token_sum(loss, mask, li, constant):
+    return _grpo_helpers()[1](ops.token_sum(loss, mask), li)
+
+
 def _seq_mean_token_mean(loss, mask, li, constant):
     return _grpo_helpers()[1](ops.seq_mean_token_mean(loss, mask), li)
+
+
+def _seq_mean_token_sum(loss, mask, li, constant):
+    return _grpo_helpers()[1](ops.seq_mean_token_sum(loss, mask), li)
 
 
 def _seq_mean_token_sum_norm(loss, mask, li, constant):
@@ -36,17 +44,22 @@ def _seq_mean_token_sum_norm(loss, mask, li, constant):
 AGGREGATIONS = {
     "token-mean": _token_mean,
     "batch-token-mean": _batch_token_mean,
+    "token-sum": _token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
 
 
 class AggregationParams(PluginParams):
-    mode: Literal["token-mean", "batch-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+    mode: Literal["token-mean", "batch-token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="token-mean: sum over all tokens / token count of the global generation batch "
-        "(DAPO; TRL 'dapo'); batch-token-mean: per micro-batch (TRL 'bnpo'); seq-mean-token-mean: per-sequence mean, "
-        "then mean over sequences (GRPO, GSPO, SAPO; TRL 'grpo'); seq-mean-token-sum-norm: sum / (B * L) with a "
-        "constant L (Dr. GRPO; TRL 'dr_grpo').")
+        "(DAPO; TRL 'dapo'; verl 'token-mean'); batch-token-mean: per micro-batch (TRL 'bnpo'); token-sum: plain sum "
+        "over the micro-batch's tokens (verl/NeMo-RL 'token-sum'); seq-mean-token-mean: per-sequence mean, then mean "
+        "over sequences (GRPO, GSPO, SAPO; TRL 'grpo'); seq-mean-token-sum: per-sequence sum, then mean over "
+        "sequences (verl 'seq-mean-token-sum'); seq-mean-token-sum-norm: sum / (B * L) with a constant L (Dr. GRPO; "
+        "TRL 'dr_grpo').")
     constant: int | None = Field(None, gt=0, description="L for seq-mean-token-sum-norm; None = args.max_completion_length.")
 
 
@@ -56,11 +69,15 @@ class Aggregation(Plugin):
     One plugin with a ``mode`` parameter, filling the exclusive ``aggregation`` slot, so any objective combines with any
     mode: ``token-mean`` (DAPO, arXiv 2503.14476: ``sum_i sum_t l / sum_i |o_i|`` over the *global* generation batch,
     gradient-accumulation aware, TRL ``dapo``), ``batch-token-mean`` (the micro-batch's own token count, TRL ``bnpo``),
-    ``seq-mean-token-mean`` (GRPO arXiv 2402.03300, GSPO, SAPO; TRL ``grpo``) and ``seq-mean-token-sum-norm``
-    (Dr. GRPO arXiv 2503.20783: ``(1/B) sum_i sum_t l / L`` with constant L; TRL ``dr_grpo``; verl's variant lacks 1/B).
-    Masked tokens (completion padding, and token masks from corrections such as ``m2po``) count in no denominator;
-    zero *weights* (``icepop``, ``tis``, ``mis``) keep their tokens in it (convention 8). Without this plugin the trainer
-    aggregates as TRL does for ``args.loss_type``, which each objective plugin sets to its paper's choice.
+    ``token-sum`` (``sum_i sum_t l``, no normalisation; verl/NeMo-RL), ``seq-mean-token-mean`` (GRPO arXiv 2402.03300,
+    GSPO, SAPO; TRL ``grpo``), ``seq-mean-token-sum`` (``(1/B) sum_i sum_t l``; verl) and ``seq-mean-token-sum-norm``
+    (Dr. GRPO arXiv 2503.20783: ``(1/B) sum_i sum_t l / L`` with constant L, default ``args.max_completion_length``;
+    TRL ``dr_grpo``; verl's variant lacks 1/B). All but ``token-mean`` are per micro-batch and divided by the gradient
+    accumulation steps (TRL's scaling). Masked tokens (completion padding, tool tokens, and token masks from corrections
+    such as ``m2po``) count in no denominator: for ``token-mean`` the global count is the mask-aware one the loss
+    pipeline computes (``trl_ext.trainers.grpo.mask_aware_token_count``); zero *weights* (``icepop``, ``tis``, ``mis``)
+    keep their tokens in it (convention 8). Without this plugin the trainer aggregates as TRL does for
+    ``args.loss_type``, which each objective plugin sets to its paper's choice. Default ``token-mean``.
     """
 
     name = "aggregation"

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
-from trl_ext import NoParams, hookimpl, ops
+from typing import Literal
+
+from pydantic import Field
+
+from trl_ext import PluginParams, hookimpl, ops
 from trl_ext_plugins.losses.base import ObjectivePlugin
+
+
+class GRPOParams(PluginParams):
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = Field(
+        "k3", description="Per-token estimator of KL(pi || pi_ref) in the beta-weighted loss term, d = log pi - log "
+        "pi_ref: k1 = d; k2 = d^2/2; k3 = e^-d - 1 + d (paper, TRL); k3+ = k3's value with k2's gradient (verl "
+        "'low_var_kl+'). Used only when args.beta != 0.")
+    kl_bias_correction: bool | None = Field(
+        None, description="Multiply the KL estimate by the ratio pi_theta/pi_old (TRL's use_bias_correction_kl). "
+        "None: TRL's field decides (default true in TRL 1.16); false: the paper's plain estimate; sets "
+        "args.use_bias_correction_kl when given.")
+    kl_clamp: float | None = Field(None, gt=0, description="Clamp the KL estimate to [-c, c] (verl: 10 for k3); None: "
+                                                           "no clamp (paper, TRL).")
 
 
 class GRPO(ObjectivePlugin):
@@ -12,8 +29,13 @@ class GRPO(ObjectivePlugin):
     Objective per token: ``clipobj(r, A) = min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`` with
     ``r = pi_theta/pi_old`` computed in log space (clamped to +-20), ``A`` TRL's group-normalised advantage
     ``(R - mean_G)/(std_G + 1e-4)`` with the *unbiased* group std (torch.std, as TRL and verl do), and aggregation
-    ``seq-mean-token-mean`` (mean over each sequence's tokens, then over sequences). KL: TRL's k3 estimator added per
-    token with weight ``args.beta``.
+    ``seq-mean-token-mean`` (mean over each sequence's tokens, then over sequences).
+
+    KL (when ``args.beta != 0``): ``+ beta * KL_t`` per token with ``KL_t`` the ``kl_estimator`` (default ``k3``,
+    ``e^(ref - logp) - (ref - logp) - 1``, the paper's and TRL's; its exponent is clamped to +-20). Convention: TRL
+    1.16 multiplies it by the importance ratio ``r`` (``use_bias_correction_kl``, default true), which the paper does
+    not; this plugin follows TRL's field by default and ``kl_bias_correction: false`` gives the paper's plain k3
+    (``true``/``false`` set the TRL field, so TRL's own path agrees). ``k3+`` keeps k3's value with k2's gradient.
 
     Defaults: the clip range and KL weight are TRL's fields (``args.epsilon`` 0.2, ``args.beta``). The paper used
     beta=0.04 and G=64; TRL defaults to beta=0.0 (no reference model loaded) and G=8: set ``args.beta: 0.04`` for the
@@ -23,8 +45,22 @@ class GRPO(ObjectivePlugin):
     """
 
     name = "grpo"
-    Params = NoParams
+    Params = GRPOParams
     trl_args = {"loss_type": "grpo"}
+
+    def extra_trl_args(self):
+        bias = self.params.kl_bias_correction
+        return {} if bias is None else {"use_bias_correction_kl": bias}
+
+    def kl_term(self, trl_bias_correction: bool) -> ops.KLTerm:
+        """The KL term this plugin's options select, given TRL's ``use_bias_correction_kl``."""
+        p = self.params
+        bias = trl_bias_correction if p.kl_bias_correction is None else p.kl_bias_correction
+        return ops.KLTerm(p.kl_estimator, bias_correction=bias, clamp=p.kl_clamp)
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        trainer.kl_term = self.kl_term(bool(trainer.args.use_bias_correction_kl))
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):

@@ -54,9 +54,14 @@ def ce_gppo_objective(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low
     A<0, r<1-eps_low:  -beta_low * (1-eps_low) * r/sg(r) * A   (value = clipped value * beta_low; d/dlogpi = -beta_low(1-eps_low)A)
     A>0, r>1+eps_high: -beta_high * (1+eps_high) * r/sg(r) * A
     otherwise:         -r * A, and for A<0 the dual clip caps the loss at -dual_clip * A (zero gradient beyond).
+
+    ``r/sg(r)`` is built as ``exp(x - sg(x))`` (value 1, gradient 1 for any log-ratio x), and ``r`` itself as
+    ``exp(x - sg(x)) * sg(clamped r)`` (:func:`trl_ext.ops.straight_through_ratio`): a ratio clamped *before* the
+    stop-gradient construction has zero gradient for |x| > 20, which would silently drop the bounded gradient of
+    exactly the tokens CE-GPPO exists to keep.
     """
-    ratio = ops.safe_ratio(log_ratio)
-    straight_through = ratio / ratio.detach()  # value 1, gradient d/dlogpi = 1
+    ratio = ops.straight_through_ratio(log_ratio)
+    straight_through = torch.exp(log_ratio - log_ratio.detach())  # value 1, gradient d/dlogpi = 1 for any ratio
     low = (advantages < 0) & (ratio < 1 - eps_low)
     high = (advantages > 0) & (ratio > 1 + eps_high)
     inside = -ratio * advantages

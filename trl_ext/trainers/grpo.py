@@ -49,11 +49,13 @@ def global_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, ctx) -> 
     """Token-mean over the whole generation batch on all ranks (DAPO; TRL ``dapo``/``cispo``): sum / global tokens.
 
     ``num_items_in_batch`` spans the generation batch of every process, so it is rescaled to one accumulation window.
+    In the loss pipeline it is the count *after* token masks (see :func:`compose_loss`), so tokens a correction masks
+    leave the denominator.
     """
     normalizer = torch.as_tensor(ctx.num_items_in_batch).clamp(min=1.0) / ctx.num_processes
     if ctx.training:
         normalizer = normalizer * ctx.grad_accum_steps / ctx.steps_per_generation
-    return (per_token_loss * mask).sum() / normalizer
+    return ops.where_mask(per_token_loss, mask).sum() / normalizer
 
 
 DEFAULT_AGGREGATIONS = {
@@ -65,6 +67,94 @@ DEFAULT_AGGREGATIONS = {
     "cispo": global_token_mean,
 }
 
+def trl_ratio(li: LossInputs, importance_sampling_level: str = "token") -> torch.Tensor:
+    """TRL's importance ratio pi_theta/pi_old: per token, or the length-normalised sequence ratio (GSPO) when
+    ``importance_sampling_level == "sequence"``. Unlike TRL's unclamped ``exp``, the log-ratio is clamped to +-20
+    (:func:`trl_ext.ops.safe_ratio`; values agree with TRL within the clamp) so an extreme token cannot overflow."""
+    log_ratio = li.log_ratio
+    if importance_sampling_level == "sequence":
+        log_ratio = (ops.where_mask(log_ratio, li.mask).sum(-1) / li.mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return ops.safe_ratio(log_ratio)
+
+
+def mask_aware_token_count(num_items_in_batch, loss_mask: torch.Tensor, mask: torch.Tensor, reduce=None):
+    """The global loss-token count after token masks: ``num_items_in_batch * kept / counted``, where ``kept`` and
+    ``counted`` are this micro-batch's tokens after and before the masks, summed over all processes (``reduce``).
+
+    Semantics (defect 1 of issue 10): masks come from the current policy, so they exist only per micro-batch; the
+    exact kept count of a whole generation batch is unknown while its first micro-batch is being differentiated.
+    The count is therefore the generation batch's count scaled by the kept fraction of the micro-batch being reduced
+    (over all ranks). It is exact when one accumulation window is one micro-batch per process, or when every
+    micro-batch keeps the same fraction; with no mask it is ``num_items_in_batch`` itself (TRL's semantics), and the
+    scaling to one accumulation window and across processes stays :func:`global_token_mean`'s, as in TRL.
+    """
+    counts = torch.stack([loss_mask.sum(), mask.sum()]).detach().float()
+    if reduce is not None:
+        counts = reduce(counts)
+    fraction = counts[0] / counts[1].clamp(min=1.0)
+    total = torch.as_tensor(num_items_in_batch, device=counts.device)
+    return total.float() * fraction
+
+
+def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, importance_sampling_level: str = "token",
+                 importance_sampling_ratio: torch.Tensor | None = None, reduce=None):
+    """trl-ext's GRPO-family loss pipeline on one micro-batch, after the forward pass.
+
+    Order: sanitise -> objective (``trl_ext_policy_loss`` or TRL's ``loss_type`` objective) -> token weights and masks
+    (``trl_ext_token_weights``: weights multiply, masks AND) -> TRL's vLLM ratio if given -> ``+ beta * KL`` (``kl``)
+    -> aggregation (``trl_ext_aggregate_loss`` or TRL's for ``loss_type``) -> ``+`` extra terms.
+
+    Conventions:
+
+    * *Sanitising*: log-prob tensors are replaced by 0 outside ``li.mask`` with ``torch.where`` before any plugin sees
+      them, so -inf or NaN at padding, tool or filtered positions cannot reach a loss or gradient.
+    * *Which tokens count* (ALGORITHMS.md convention 8): a ``TokenWeights.mask`` removes tokens from the loss and from
+      every denominator; a ``weight`` of 0 keeps them in it. Per aggregation: token-mean over the generation batch
+      (TRL ``dapo``/``cispo``) divides by the mask-aware global count of :func:`mask_aware_token_count`, written back
+      to ``li.num_items_in_batch`` for any aggregation (third-party ones too); per-micro-batch token-mean (``bnpo``)
+      and seq-mean-token-mean (``grpo``, ``sapo``) divide by the kept tokens of the micro-batch or sequence; the
+      constant-normalised ones (``dr_grpo``, token-sum, seq-mean-token-sum) have no token count.
+    * ``reduce``: a cross-process sum (``None`` on one process); it is called only when some plugin returns a mask,
+      which every rank then does (masks are a plugin's static behaviour), so the collective is matched.
+
+    Returns ``(loss, loss_mask, per_token_kl or None)``.
+    """
+    mask = li.mask
+    li.per_token_logps = ops.where_mask(li.per_token_logps, mask)
+    li.old_per_token_logps = ops.where_mask(li.old_per_token_logps, mask)
+    if li.ref_per_token_logps is not None:
+        li.ref_per_token_logps = ops.where_mask(li.ref_per_token_logps, mask)
+    if li.sampling_per_token_logps is not None:  # NaN on loss tokens means "not recorded" and is kept for the plugin
+        li.sampling_per_token_logps = ops.where_mask(li.sampling_per_token_logps, mask)
+
+    per_token_loss = host.hook.trl_ext_policy_loss(inputs=li)
+    if per_token_loss is None:
+        per_token_loss = DEFAULT_OBJECTIVES[loss_type](li, trl_ratio(li, importance_sampling_level))
+
+    loss_mask, masked = mask, False
+    for contribution in host.hook.trl_ext_token_weights(inputs=li):
+        if contribution.weight is not None:
+            per_token_loss = per_token_loss * contribution.weight.detach()
+        if contribution.mask is not None:
+            loss_mask = ops.where_mask(loss_mask, contribution.mask)
+            masked = True
+    if importance_sampling_ratio is not None:  # TRL's vLLM correction, kept when a plugin changes the loss
+        per_token_loss = per_token_loss * importance_sampling_ratio
+    per_token_kl = None
+    if li.beta != 0.0:
+        per_token_kl = kl.per_token(li.per_token_logps, li.ref_per_token_logps, trl_ratio(li, importance_sampling_level))
+        per_token_loss = per_token_loss + li.beta * per_token_kl
+    if masked:
+        li.num_items_in_batch = mask_aware_token_count(li.num_items_in_batch, loss_mask, mask, reduce)
+
+    loss = host.hook.trl_ext_aggregate_loss(per_token_loss=per_token_loss, mask=loss_mask, inputs=li)
+    if loss is None:
+        loss = DEFAULT_AGGREGATIONS[loss_type](per_token_loss, loss_mask, li)
+    for term in host.hook.trl_ext_extra_loss(inputs=li):
+        loss = loss + term
+    return loss, loss_mask, per_token_kl
+
+
 # TRL features the trl-ext loss pipeline does not re-implement; refused at validation when a loss plugin is active.
 UNSUPPORTED_WITH_LOSS_PLUGINS = {
     "off_policy_mask_threshold": None,
@@ -75,6 +165,21 @@ UNSUPPORTED_WITH_LOSS_PLUGINS = {
 }
 
 
+def check_stage(host, stage, args: dict, where: str) -> list[str]:
+    """GRPO's own validation (TrainerKind.check): the trl-ext loss pipeline re-expresses only some TRL options, so the
+    others are refused up front when a loss plugin is active."""
+    active = [p.name for p in host.plugins if any(h in p.implemented_hooks() for h in LOSS_HOOKS)]
+    if not active:
+        return []
+    errors = [f"{where}.args.{key}: not supported together with loss plugin(s) {active}"
+              for key, neutral in UNSUPPORTED_WITH_LOSS_PLUGINS.items() if key in args and args[key] != neutral]
+    loss_type = args.get("loss_type", "dapo")
+    if loss_type not in DEFAULT_AGGREGATIONS:
+        errors.append(f"{where}.args.loss_type: {loss_type!r} cannot be combined with loss plugin(s) {active}; "
+                      f"use one of {sorted(DEFAULT_AGGREGATIONS)}")
+    return errors
+
+
 class ExtGRPOTrainer(HostMixin, GRPOTrainer):
     """TRL's GRPOTrainer plus trl-ext seams (see the module docstring)."""
 
@@ -83,6 +188,9 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         self._pending_rollout: RolloutBatch | None = None
         self._loss_extra_keys: tuple[str, ...] = ()  # RolloutBatch.loss_extras keys, forwarded to LossInputs.extra
         super().__init__(*args, **kwargs)
+        # The loss pipeline's KL term (used when args.beta != 0): TRL's k3 with TRL's bias correction unless a plugin
+        # (e.g. ``grpo`` with ``kl_estimator``) replaces it in ``trl_ext_trainer_created``.
+        self.kl_term = ops.KLTerm("k3", bias_correction=bool(self.args.use_bias_correction_kl))
 
     # -- generation -------------------------------------------------------------------------------------------------
 
@@ -154,6 +262,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             return output, None
         batch.completion_mask = output["completion_mask"]
         batch.completion_ids = output["completion_ids"]
+        batch.tool_mask = output.get("tool_mask")
         batch.old_per_token_logps = output.get("old_per_token_logps")
         batch.sampling_per_token_logps = output.get("sampling_per_token_logps")
         batch.ref_per_token_logps = output.get("ref_per_token_logps")
@@ -233,31 +342,16 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
                 **{key: inputs[key] for key in self._loss_extra_keys if key in inputs},
             },
         )
-        host = self.plugin_host
-        per_token_loss = host.hook.trl_ext_policy_loss(inputs=li)
-        if per_token_loss is None:
-            per_token_loss = DEFAULT_OBJECTIVES[self.loss_type](li, self._trl_ratio(li))
-
-        loss_mask = li.mask
-        for contribution in host.hook.trl_ext_token_weights(inputs=li):
-            if contribution.weight is not None:
-                per_token_loss = per_token_loss * contribution.weight.detach()
-            if contribution.mask is not None:
-                loss_mask = loss_mask * contribution.mask.to(loss_mask.dtype)
-        if "importance_sampling_ratio" in inputs:  # TRL's vLLM correction, kept when a plugin changes the loss
-            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
-        if self.beta != 0.0:
-            per_token_kl = ops.kl_k3(per_token_logps, inputs["ref_per_token_logps"])
-            if self.args.use_bias_correction_kl:  # TRL's default: importance-weight the KL by pi_theta/pi_old
-                per_token_kl = per_token_kl * self._trl_ratio(li)
-            per_token_loss = per_token_loss + self.beta * per_token_kl
+        reduce = None
+        if self.accelerator.num_processes > 1:
+            reduce = lambda t: self.accelerator.reduce(t, reduction="sum")  # noqa: E731
+        loss, loss_mask, per_token_kl = compose_loss(
+            self.plugin_host, li, loss_type=self.loss_type, kl=self.kl_term,
+            importance_sampling_level=self.importance_sampling_level,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio"), reduce=reduce,
+        )
+        if per_token_kl is not None:
             li.metrics["kl"] = self._masked_global_mean(per_token_kl, li.mask)
-
-        loss = host.hook.trl_ext_aggregate_loss(per_token_loss=per_token_loss, mask=loss_mask, inputs=li)
-        if loss is None:
-            loss = DEFAULT_AGGREGATIONS[self.loss_type](per_token_loss, loss_mask, li)
-        for term in host.hook.trl_ext_extra_loss(inputs=li):
-            loss = loss + term
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / li.grad_accum_steps
 
@@ -265,13 +359,6 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         li.metrics["loss_mask/kept_fraction"] = (loss_mask.sum() / li.mask.sum().clamp(min=1.0)).item()
         self._log_plugin_metrics(li.metrics)
         return loss
-
-    def _trl_ratio(self, li: LossInputs) -> torch.Tensor:
-        """TRL's importance ratio: per token, or the length-normalised sequence ratio (GSPO) when so configured."""
-        log_ratio = li.log_ratio
-        if self.importance_sampling_level == "sequence":
-            log_ratio = ((log_ratio * li.mask).sum(-1) / li.mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        return torch.exp(log_ratio)
 
     # -- model forward contexts (trl_ext_model_forward) -------------------------------------------------------------
 
@@ -314,5 +401,6 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         return layer is not None and layer.disable_adapters
 
     def _masked_global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
-        totals = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]).detach(), reduction="sum")
+        totals = self.accelerator.reduce(torch.stack([ops.where_mask(values, mask).sum(), mask.sum()]).detach(),
+                                         reduction="sum")
         return (totals[0] / totals[1].clamp(min=1.0)).item()
