@@ -3,11 +3,19 @@ own-stage teachers, BOND."""
 
 from trl_ext import hookimpl
 from trl_ext_plugins.distill.gkd import GKD
+from trl_ext_plugins.distill.opd import MultiTeacherOPD, OPDReward, StageTeachers
 
-PLUGINS: tuple = (GKD,)
+PLUGINS: tuple = (GKD, OPDReward, MultiTeacherOPD, StageTeachers)
 
 
 @hookimpl
 def trl_ext_register_plugins(register):
     for plugin in PLUGINS:
         register(plugin)
+
+
+@hookimpl
+def trl_ext_register_datasets(register):
+    from trl_ext_plugins.distill.data import domain_arithmetic
+
+    register("domain_arithmetic", domain_arithmetic)
