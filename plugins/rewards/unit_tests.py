@@ -1,19 +1,28 @@
-"""``unit_tests``: 1 when the model-written program passes every test of its dataset row, run in a sandbox."""
+"""``unit_tests``: reward for model-written code from hidden tests, with verdicts computed outside the sandbox."""
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext.errors import RecipeError
 from trl_ext.rewards import RewardFunction
-from trl_ext_plugins.rewards.sandbox import SandboxLimits, available_backend, run_python
+from trl_ext_plugins.rewards.code_tests import (VERDICTS, StdoutMatch, Test, TestFormatError, parse_tests,
+                                                sample_reward, verdict)
+from trl_ext_plugins.rewards.sandbox import UNSAFE_WARNING, SandboxLimits, bwrap_problem, run_sample
 from trl_ext_plugins.rewards.verify_math import completion_text
 
 FENCE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
+_ROW_ERRORS_SHOWN = 5
 
 
 def extract_code(text: str) -> str:
@@ -22,68 +31,99 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def build_program(code: str, tests: Any) -> str:
-    """Candidate code followed by the tests (a string, or a list of statements joined by newlines)."""
-    if isinstance(tests, (list, tuple)):
-        tests = "\n".join(str(t) for t in tests)
-    return f"{code}\n\n# ---- tests ----\n{tests}\n"
-
-
 class UnitTestsParams(PluginParams):
     weight: float = Field(1.0, description="weight of this reward in the weighted sum of reward functions")
-    tests_column: str = Field("tests", description="dataset column with the hidden tests (Python source or list of "
-                              "assert statements); rows whose value is empty/None get None (not applicable)")
-    pass_reward: float = Field(1.0, description="reward when the program exits 0 (every test passed)")
-    fail_reward: float = Field(0.0, description="reward on failure, crash, timeout or limit (never raises)")
-    max_workers: int = Field(4, description="sandboxes run in parallel")
-    wall_seconds: float = Field(10.0, description="wall-clock timeout per program")
-    cpu_seconds: int = Field(10, description="RLIMIT_CPU per program")
-    memory_mb: int = Field(1024, description="RLIMIT_AS per program, MiB")
-    file_mb: int = Field(16, description="RLIMIT_FSIZE per program (caps stdout/stderr too), MiB")
-    max_processes: int = Field(32, description="RLIMIT_NPROC per sandbox")
-    backend: Literal["auto", "bwrap", "unshare", "plain"] = Field(
-        "auto", description="isolation: auto picks bwrap, then unshare (root), then plain (limits only)")
-    require_isolation: bool = Field(True, description="refuse to run when only the plain backend is available")
+    tests_column: str = Field("tests", description="dataset column with the hidden tests (assert lines, "
+                              "function-call or stdin/stdout tests, or APPS-style inputs/outputs; JSON text allowed); "
+                              "rows whose value is empty/None get None (not applicable)")
+    scoring: Literal["all_or_nothing", "fraction"] = Field(
+        "all_or_nothing", description="all_or_nothing: 1 only when every test passes (RLVR, ALGORITHMS.md item 12); "
+        "fraction: the share of tests passed")
+    stdout_match: StdoutMatch = Field("lines", description="stdin/stdout comparison: lines (trailing whitespace and "
+                                      "trailing blank lines ignored), tokens (whitespace-split), exact")
+    backend: Literal["bwrap", "unsafe_subprocess"] = Field(
+        "bwrap", description="bwrap (required isolation) or unsafe_subprocess (explicit opt-in, no isolation)")
+    max_workers: int = Field(0, ge=0, description="samples scored in parallel; 0 = the machine's CPU count")
+    test_wall_seconds: float = Field(4.0, gt=0, description="wall-clock limit per test")
+    test_cpu_seconds: int = Field(2, gt=0, description="CPU-seconds limit per test (RLIMIT_CPU)")
+    memory_mb: int = Field(512, gt=0, description="memory of the whole sandbox (cgroup; fallback RLIMIT_AS)")
+    max_processes: int = Field(64, gt=0, description="processes+threads of the whole sandbox (cgroup pids; fallback "
+                               "RLIMIT_NPROC)")
+    cpu_cores: float = Field(1.0, gt=0, description="CPU quota of the whole sandbox (cgroup cpu)")
+    tmp_mb: int = Field(16, gt=0, description="size of the sandbox's private /tmp (and /dev/shm)")
+    max_files: int = Field(1024, gt=0, description="files in the private /tmp (tmpfs inodes)")
+    output_kb: int = Field(64, gt=0, description="output read back per test; more is the verdict over_cap")
 
     def limits(self) -> SandboxLimits:
-        return SandboxLimits(wall_seconds=self.wall_seconds, cpu_seconds=self.cpu_seconds,
-                             memory_bytes=self.memory_mb << 20, file_bytes=self.file_mb << 20,
-                             max_processes=self.max_processes)
+        return SandboxLimits(test_wall_seconds=self.test_wall_seconds, test_cpu_seconds=self.test_cpu_seconds,
+                             memory_bytes=self.memory_mb << 20, max_processes=self.max_processes,
+                             cpu_cores=self.cpu_cores, tmp_bytes=self.tmp_mb << 20, max_files=self.max_files,
+                             output_bytes=self.output_kb << 10)
 
 
-def score_programs(programs: list[str | None], params: UnitTestsParams) -> list[float | None]:
-    """Run each program in its own sandbox (``max_workers`` at a time); None programs give None."""
-    backend = None if params.backend == "auto" else params.backend
-    if (backend or available_backend()) == "plain" and params.require_isolation:
-        raise RuntimeError("unit_tests: no network/file-system isolation is available (install bubblewrap: "
-                           "apt-get install -y bubblewrap, or run as root for unshare); set require_isolation=false "
-                           "to accept resource limits only")
-    limits = params.limits()
+@lru_cache(maxsize=4096)
+def _cached_tests(value: str) -> tuple[Test, ...]:
+    return tuple(parse_tests(value))
 
-    def one(program: str | None) -> float | None:
-        if program is None:
-            return None
-        return params.pass_reward if run_python(program, limits, backend=backend).passed else params.fail_reward
 
-    with ThreadPoolExecutor(max_workers=max(1, params.max_workers)) as pool:
-        return list(pool.map(one, programs))
+def row_tests(value: Any) -> tuple[Test, ...]:
+    """Parsed tests of one row (cached for the JSON/assert text most datasets store)."""
+    return _cached_tests(value) if isinstance(value, str) else tuple(parse_tests(value))
+
+
+def run_tests(code: str, tests: tuple[Test, ...], params: UnitTestsParams) -> list[str]:
+    """One sandbox for one candidate: its verdict per test."""
+    run = run_sample(code, [t.request() for t in tests], params.limits(), backend=params.backend)
+    return [verdict(t, reply, params.stdout_match) for t, reply in zip(tests, run.replies)]
+
+
+def score_candidates(codes: list[str], tests: list[tuple[Test, ...] | None], params: UnitTestsParams,
+                     ) -> list[list[str] | None]:
+    """Verdicts per test for each candidate, ``max_workers`` sandboxes at a time (None where a row has no tests)."""
+    workers = params.max_workers or os.cpu_count() or 1
+
+    def one(i: int) -> list[str] | None:
+        return run_tests(codes[i], tests[i], params) if tests[i] else None
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, range(len(codes))))
+
+
+def verdict_metrics(name: str, all_verdicts: list[list[str] | None]) -> dict[str, float]:
+    """Share of each verdict over every test of the batch, and the share of samples passing all their tests."""
+    flat = [v for verdicts in all_verdicts if verdicts for v in verdicts]
+    scored = [verdicts for verdicts in all_verdicts if verdicts]
+    counts = Counter(flat)
+    metrics = {f"{name}/tests_{v}": counts[v] / len(flat) if flat else 0.0 for v in VERDICTS}
+    metrics[f"{name}/all_tests_passed"] = (sum(all(v == "pass" for v in s) for s in scored) / len(scored)
+                                           if scored else 0.0)
+    return metrics
 
 
 class UnitTests(Plugin):
     """Unit-test reward for code generation (RLVR: Tulu 3, arXiv 2411.15124; DeepSeek-R1, arXiv 2501.12948).
 
-    The completion's last fenced Python block (or the whole completion) is followed by the row's tests and run as one
-    program in a sandbox (:mod:`trl_ext_plugins.rewards.sandbox`: bubblewrap namespaces or unshare, per-sandbox
-    unprivileged uid, setrlimit CPU/address space/file size/process count, wall-clock timeout, fresh temp work dir,
-    empty environment, output capped by the file-size limit). Reward ``pass_reward`` (1.0) only if the program exits 0,
-    i.e. every hidden test passed (all-or-nothing, as in ALGORITHMS.md item 12); any failure, crash, timeout or limit
-    gives ``fail_reward`` (0.0) and never stops training. Rows without tests give None.
+    The completion's last fenced Python block (or the whole completion) is the candidate. Its row's hidden tests
+    (:mod:`trl_ext_plugins.rewards.code_tests`: function-call tests, ``assert f(x) == y`` lines parsed into them, and
+    stdin/stdout tests) run in one sandbox per candidate (:mod:`trl_ext_plugins.rewards.sandbox`: bubblewrap,
+    whole-sandbox cgroup limits, private size- and file-capped ``/tmp``, no network, everything killed at the end).
+    Inside, a harness runs each test in a fresh child process and returns only the candidate's raw output (a JSON
+    return value or stdout); the **trainer** parses it as plain data and compares it with the expected value, which
+    never enters the sandbox. Early exits, always-equal objects, exit codes, fake output lines and rewritten files
+    therefore earn nothing: a test passes only when the returned data or printed text is right.
 
-    Protects: the trainer (other uid, PID namespace), the network, secrets in the environment, the host's resources.
-    Does not protect: kernel exploits (no seccomp), world-readable files under /usr (bubblewrap) or on the host
-    (unshare), world-writable dirs like /tmp outside bubblewrap, CPU contention between sandboxes. With
-    ``backend: plain`` (no bubblewrap, not root) there is no network or file isolation; it must be enabled explicitly
-    (``require_isolation: false``). The sandboxed interpreter is the system ``/usr/bin/python3`` (stdlib only).
+    Defaults: ``scoring: all_or_nothing`` (1.0 only if every test passes, ALGORITHMS.md item 12; ``fraction`` gives
+    the share passed), ``stdout_match: lines`` (trailing whitespace per line and trailing blank lines ignored),
+    ``backend: bwrap`` (required: without a working bubblewrap the recipe is refused at validation unless it sets
+    ``backend: unsafe_subprocess``, which warns what it gives up), 4 s wall / 2 CPU-s per test, 512 MiB and 64
+    processes per sandbox, a 16 MiB / 1024-file ``/tmp``, 64 KiB of output per test, one worker per CPU. Rows without
+    tests score None. Tests that fit neither format are refused at validation (embedded and local datasets) or when
+    the dataset is prepared (any source), naming the row.
+
+    Metrics (TRL ``log_metric``): ``unit_tests/tests_<verdict>`` is the share of the batch's tests with each verdict
+    (pass, wrong, error, no_result, timeout, over_cap, invalid) and ``unit_tests/all_tests_passed`` the share of
+    candidates passing all their tests; the per-test verdicts of every completion go to TRL's completions table
+    (``log_extra`` column ``unit_tests_verdicts``).
     """
 
     name = "unit_tests"
@@ -92,13 +132,87 @@ class UnitTests(Plugin):
     Params = UnitTestsParams
 
     @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        p = self.params
+        errors = []
+        if p.backend == "bwrap":
+            problem = bwrap_problem()
+            if problem is not None:
+                errors.append(f"plugins.unit_tests.backend: bwrap is required to run model-written code and {problem}; "
+                              f"install it, or set backend: unsafe_subprocess to run without isolation")
+        else:
+            warnings.warn(UNSAFE_WARNING, stacklevel=2)
+        datasets = [("dataset", stage.dataset)]
+        if stage.evaluation is not None and _names_unit_tests(stage.evaluation.reward):
+            datasets.append(("evaluation.dataset", stage.evaluation.dataset))
+        for where, spec in datasets:
+            errors += check_dataset_rows(spec, p.tests_column, where)
+        return errors
+
+    @hookimpl
+    def trl_ext_prepare_dataset(self, dataset, split, stage):
+        if self.params.tests_column in dataset.column_names:
+            problems = row_problems(dataset[self.params.tests_column])
+            if problems:
+                raise RecipeError([f"unit_tests: {split} dataset {stage.dataset.source!r} {m}" for m in problems])
+        return None
+
+    @hookimpl
     def trl_ext_reward_functions(self, stage):
         p = self.params
 
-        def unit_tests(completions, **kwargs):
-            tests = kwargs[p.tests_column]
-            programs = [build_program(extract_code(completion_text(c)), t) if t else None
-                        for c, t in zip(completions, tests, strict=True)]
-            return score_programs(programs, p)
+        def unit_tests(completions, log_metric=None, log_extra=None, **kwargs):
+            tests = [row_tests(t) or None for t in kwargs[p.tests_column]]
+            codes = [extract_code(completion_text(c)) for c in completions]
+            all_verdicts = score_candidates(codes, tests, p)
+            if log_metric is not None:
+                for metric, value in verdict_metrics(self.name, all_verdicts).items():
+                    log_metric(metric, value)
+            if log_extra is not None:
+                log_extra("unit_tests_verdicts", [",".join(v) if v else "" for v in all_verdicts])
+            return [None if v is None else sample_reward(v, p.scoring) for v in all_verdicts]
 
         return [RewardFunction(self.name, unit_tests, p.weight)]
+
+
+def _names_unit_tests(reward) -> bool:
+    return (reward if isinstance(reward, str) else reward.name) == UnitTests.name
+
+
+def row_problems(values: list[Any]) -> list[str]:
+    """``row N: <why>`` for the rows whose tests fit neither format (the first few, then a count)."""
+    problems = []
+    for row, value in enumerate(values):
+        try:
+            row_tests(value)
+        except TestFormatError as exc:
+            problems.append(f"row {row}: {exc}")
+    if len(problems) > _ROW_ERRORS_SHOWN:
+        problems = problems[:_ROW_ERRORS_SHOWN] + [f"... and {len(problems) - _ROW_ERRORS_SHOWN} more rows"]
+    return problems
+
+
+def check_dataset_rows(spec, column: str, where: str) -> list[str]:
+    """Validation-time check of an embedded or local dataset's tests (hub datasets are checked when prepared)."""
+    from trl_ext.recipe import EMBEDDED_PREFIX
+
+    source = spec.source
+    try:
+        if source.startswith(EMBEDDED_PREFIX):
+            from trl_ext.catalog import Catalog
+
+            build, _ = Catalog.discover().datasets[source[len(EMBEDDED_PREFIX):]]
+            dataset = build(split=spec.split, **spec.params)
+        elif Path(source).exists():
+            from trl_ext.runner import load_split
+
+            dataset = load_split(spec, None, None, "validate", None)
+        else:
+            return []
+    except Exception:  # unknown names and bad params are reported by the core's own checks
+        return []
+    if spec.limit is not None:
+        dataset = dataset.select(range(min(spec.limit, len(dataset))))
+    if column not in dataset.column_names:
+        return [f"{where}: {source!r} has no tests column {column!r} (columns: {dataset.column_names})"]
+    return [f"{where}: {source!r} {m}" for m in row_problems(dataset[column])]

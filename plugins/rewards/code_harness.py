@@ -1,0 +1,274 @@
+"""The harness that runs inside the code sandbox: it calls the candidate and reports raw outputs, never verdicts.
+
+This file is executed by the sandbox's interpreter (``python3 -I -S -c <this source>``); it imports only the standard
+library and nothing of trl-ext, and must keep working on any Python 3.8+.
+
+Trust boundary. The harness is trusted; the candidate's code never runs in the harness process. The harness reads
+one setup line (the candidate's source and the per-test limits) and then one test request at a time from the trainer
+on fd 0, and answers each request with one JSON line on fd 1. For every test it ``fork``s a fresh child, and only the
+child executes the candidate (module code, then the call or the program). The child reports the candidate's output
+on a pipe of its own (function-call tests: ``json.dumps`` of the return value; stdin/stdout tests: the program's
+stdout). The harness forwards those bytes verbatim as a string with the child's exit status; the trainer parses them
+as JSON (plain data only, no custom object can cross) and compares them with the expected values, which never enter
+the sandbox. So whatever the candidate does in its child (exit early in any way, register exit handlers, start
+threads, exec another program, install signal handlers, monkeypatch ``json``, write fake protocol lines to every fd it
+finds) only changes *its own output* for *that test*, which is exactly what it is graded on.
+
+Why the candidate cannot reach the harness's channel or state:
+
+* the child closes every descriptor except its stdin, stdout (``/dev/null`` for function calls), stderr
+  (``/dev/null``) and its own result pipe before running candidate code; the trainer's pipes live at other
+  descriptors in the harness only;
+* the harness makes itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``), so the candidate, though the same uid,
+  cannot open ``/proc/1/fd/*`` or ``/proc/1/mem`` or ptrace it (it holds no capability in the sandbox's namespace);
+* under bubblewrap the harness is the PID namespace's init (``--as-pid-1``): the kernel delivers no SIGKILL/SIGSTOP
+  from inside the namespace to it, so ``os.kill(1, 9)``, ``os.kill(os.getppid(), 9)`` or ``os.kill(-1, 9)`` cannot
+  end it; the trainer is outside the namespace and invisible;
+* tests arrive one at a time: when test *i* runs, the harness has seen only requests ``0..i`` (inputs, never
+  expected values), so a child cannot read future tests from memory inherited through ``fork``;
+* after each test, the harness kills every other process in the namespace (``kill(-1, SIGKILL)`` from init), including
+  ones that called ``setsid`` or double-forked, and reaps them, so nothing the candidate started outlives its test.
+
+Outside a PID namespace (the explicitly unsafe backend) the harness is not init: it puts each child in its own
+session and kills that process group, which a candidate can leave with ``setsid``; that backend says so when chosen.
+"""
+
+import ast
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+try:  # resource and ctypes exist on Linux; the harness degrades (no per-test CPU limit, dumpable) without them
+    import resource
+except ImportError:  # pragma: no cover
+    resource = None
+
+READ_CHUNK = 65536
+
+
+def make_non_dumpable():
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except Exception:  # pragma: no cover - no libc: the sandbox's other walls still hold
+        pass
+
+
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def child_main(code, request, setup, stdin_fd, out_fd):
+    """Run the candidate for one test in this forked child; never returns (``os._exit``)."""
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(stdin_fd if stdin_fd is not None else devnull, 0)
+        os.dup2(out_fd if request["kind"] == "stdio" else devnull, 1)
+        os.dup2(devnull, 2)
+        if request["kind"] == "call":
+            os.dup2(out_fd, 3)
+        os.closerange(4 if request["kind"] == "call" else 3, setup["max_fd"])
+        if resource is not None:
+            cpu = int(setup["cpu_seconds"])
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        if not setup.get("pid_namespace"):
+            os.setsid()  # the unsafe backend kills this process group after the test
+        sys.stdin = open(0, "r", closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False)
+        sys.argv = ["solution.py"]
+    except BaseException:
+        os._exit(70)
+    if request["kind"] == "stdio":
+        os._exit(run_program(code))
+    os._exit(run_call(code, request))
+
+
+def run_program(code):
+    """Exit status of the candidate run as ``__main__`` (as ``python solution.py < input`` would give)."""
+    status = 0
+    try:
+        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        status = 1
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        status = status or 1
+    return status
+
+
+def run_call(code, request):
+    """Import the candidate as a module, call the function, write ``json.dumps`` of its value on fd 3."""
+    try:
+        args = ast.literal_eval(request["args_literal"])  # tuples, sets, bytes arrive as such
+        kwargs = ast.literal_eval(request["kwargs_literal"])
+        namespace = {"__name__": "solution", "__builtins__": __builtins__}
+        exec(code, namespace)
+        name = request["fn"]
+        function = namespace.get(name)
+        if function is None and isinstance(namespace.get("Solution"), type):  # LeetCode / APPS class style
+            function = getattr(namespace["Solution"](), name)
+        value = function(*args, **kwargs)
+        text = json.dumps(value)
+    except BaseException:
+        return 1  # no result: the test fails whatever the reason (exception, SystemExit, missing function)
+    try:
+        write_all(3, text.encode("utf-8"))
+    except BaseException:
+        return 1
+    return 0
+
+
+def run_test(code, request, setup):
+    """Fork a child for one test, collect its output under the limits; a reply dict for the trainer."""
+    if code is None:
+        return {"status": "error", "exit": None, "signal": None, "output": "", "detail": "does not compile"}
+    cap = int(setup["output_bytes"])
+    out_r, out_w = os.pipe()
+    stdin_r = stdin_w = None
+    if request["kind"] == "stdio":
+        stdin_r, stdin_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.close(out_r)
+            if stdin_w is not None:
+                os.close(stdin_w)
+        finally:
+            child_main(code, request, setup, stdin_r, out_w)
+    os.close(out_w)
+    if stdin_r is not None:
+        os.close(stdin_r)
+    pending = request.get("stdin", "").encode("utf-8")
+    if stdin_w is not None:
+        os.set_blocking(stdin_w, False)
+        if not pending:
+            os.close(stdin_w)
+            stdin_w = None
+    os.set_blocking(out_r, False)
+    pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+    deadline = time.monotonic() + float(setup["wall_seconds"])
+    chunks, size, status, exit_status = [], 0, None, None
+    while status is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            status = "timeout"
+            break
+        readers = [out_r] + ([pidfd] if pidfd is not None else [])
+        writers = [stdin_w] if stdin_w is not None else []
+        ready_r, ready_w, _ = select.select(readers, writers, [], min(remaining, 0.05 if pidfd is None else remaining))
+        if stdin_w is not None and stdin_w in ready_w:
+            try:
+                written = os.write(stdin_w, pending[:READ_CHUNK])
+                pending = pending[written:]
+            except OSError:  # the program closed its stdin: it does not want the rest
+                pending = b""
+            if not pending:
+                os.close(stdin_w)
+                stdin_w = None
+        if out_r in ready_r:
+            data = read_some(out_r)
+            if data:
+                chunks.append(data)
+                size += len(data)
+                if size > cap:
+                    status = "over_cap"
+                    break
+        exited, exit_status = reap_child(pid)
+        if exited:  # drain what the child wrote before it ended, then stop
+            while True:
+                data = read_some(out_r)
+                if not data:
+                    break
+                chunks.append(data)
+                size += len(data)
+                if size > cap:
+                    break
+            status = "over_cap" if size > cap else "exited"
+    if stdin_w is not None:
+        os.close(stdin_w)
+    os.close(out_r)
+    if pidfd is not None:
+        os.close(pidfd)
+    kill_everything_else(pid, setup)
+    if exit_status is None:
+        exit_status = wait_child(pid)
+    output = b"".join(chunks)[:cap].decode("utf-8", errors="replace")
+    code_, sig = (os.WEXITSTATUS(exit_status), None) if os.WIFEXITED(exit_status) else (None, os.WTERMSIG(exit_status))
+    return {"status": status, "exit": code_ if status == "exited" else None,
+            "signal": sig if status == "exited" else None, "output": output}
+
+
+def read_some(fd):
+    try:
+        return os.read(fd, READ_CHUNK)
+    except BlockingIOError:
+        return b""
+
+
+def reap_child(pid):
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True, 0
+    return (done == pid), (status if done == pid else None)
+
+
+def wait_child(pid):
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return 0
+
+
+def kill_everything_else(pid, setup):
+    """After a test: no process the candidate started survives (init kills the whole namespace but itself)."""
+    if setup.get("pid_namespace") and os.getpid() == 1:
+        try:
+            os.kill(-1, signal.SIGKILL)  # every process of the namespace except init, atomically w.r.t. fork
+        except ProcessLookupError:
+            pass
+        while True:  # reap everything, the test's child and orphans re-parented to init
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+    else:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def main():
+    make_non_dumpable()
+    requests = os.fdopen(os.dup(0), "rb")
+    replies = os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    setup = json.loads(requests.readline())
+    setup["max_fd"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource is not None else 4096
+    try:
+        code = compile(setup["source"], "solution.py", "exec")
+    except BaseException:
+        code = None
+    write_all(replies, (json.dumps({"ready": True, "compiled": code is not None}) + "\n").encode())
+    for line in requests:
+        request = json.loads(line)
+        reply = run_test(code, request, setup)
+        write_all(replies, (json.dumps(reply) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main()
