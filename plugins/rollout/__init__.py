@@ -1,14 +1,15 @@
 """Rollout-side plugins of the losses/corrections work: ``rollout_logprobs`` (sampling log-probs without vLLM) and
 ``dynamic_sampling`` (DAPO: drop zero-variance groups, refill the batch); rollout control: ``pass_rate_filter``
-(difficulty filter and curriculum), ``partial_rollout`` (stop at a finished fraction, resume the rest)."""
+(difficulty filter and curriculum), ``partial_rollout`` (stop at a finished fraction, resume the rest), ``multi_env`` (several environments in one run)."""
 
 from trl_ext import hookimpl
 from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling
+from trl_ext_plugins.rollout.multi_env import MultiEnv
 from trl_ext_plugins.rollout.partial_rollout import PartialRollout
 from trl_ext_plugins.rollout.pass_rate_filter import PassRateFilter
 from trl_ext_plugins.rollout.rollout_logprobs import RolloutLogprobs
 
-PLUGINS = (RolloutLogprobs, DynamicSampling, PassRateFilter, PartialRollout)
+PLUGINS = (RolloutLogprobs, DynamicSampling, PassRateFilter, PartialRollout, MultiEnv)
 
 
 @hookimpl

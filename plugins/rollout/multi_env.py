@@ -1,0 +1,362 @@
+"""``multi_env``: several environments (datasets with their own verifiers) trained jointly in one GRPO run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext.recipe import DatasetSpec, PluginSelection
+from trl_ext.rewards import RewardFunction
+from trl_ext_plugins.rollout.control_math import interleave_environments, mixture_counts
+
+logger = logging.getLogger("trl_ext.multi_env")
+ENV_COLUMN = "env"
+
+
+def _selections(value: Any) -> Any:
+    """``[exact_match, {math_verify: {...}}]`` -> ``[{"name": ..., "params": ...}]`` (the recipe's plugin forms)."""
+    if not isinstance(value, list):
+        return value
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            out.append({"name": item})
+        elif isinstance(item, dict) and "name" not in item and len(item) == 1:
+            (name, params), = item.items()
+            out.append({"name": name, "params": params or {}})
+        else:
+            out.append(item)
+    return out
+
+
+class EnvironmentSpec(BaseModel):
+    """One environment: its prompts, its verifier reward plugins, its mixing weight and its held-out split."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(min_length=1, description="Environment name (metrics: multi_env/<name>/..., rewards/<name>/...)")
+    weight: float = Field(1.0, gt=0.0, description="Mixing weight: its share of every generation batch's prompts.")
+    dataset: DatasetSpec | None = Field(None, description="Train prompts; null: the stage's dataset.")
+    eval_dataset: DatasetSpec | None = Field(None, description="Held-out prompts scored before and after the stage.")
+    rewards: list[PluginSelection] = Field(min_length=1, description="Reward plugins that score this environment.")
+
+    @field_validator("dataset", "eval_dataset", mode="before")
+    @classmethod
+    def _dataset_shorthand(cls, value: Any) -> Any:
+        return {"source": value} if isinstance(value, str) else value
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _reward_shorthands(cls, value: Any) -> Any:
+        return _selections(value)
+
+
+class MultiEnvParams(PluginParams):
+    environments: list[EnvironmentSpec] = Field(min_length=1, description="The environments (at least one).")
+    seed: int = Field(0, description="Seed of the mixture's row order.")
+    eval_max_new_tokens: int = Field(8, ge=1, description="Tokens decoded per held-out prompt (greedy).")
+    eval_batch_size: int = Field(64, ge=1, description="Prompts per held-out generation call.")
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [e.name for e in self.environments]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"environment names must be unique; repeated: {', '.join(duplicates)}")
+        return self
+
+
+def generation_batch_prompts(args: dict[str, Any], num_processes: int) -> int:
+    """Prompts per TRL generation batch from GRPOConfig fields (TRL's defaults where unset)."""
+    generations = args.get("num_generations") or 8
+    batch = args.get("generation_batch_size")
+    if batch is None:
+        steps = args.get("steps_per_generation") or args.get("gradient_accumulation_steps", 1)
+        batch = args.get("per_device_train_batch_size", 8) * num_processes * steps
+    return max(1, batch // generations)
+
+
+class MultiEnv(Plugin):
+    """Multi-environment joint RL (ALGORITHMS.md item 49; Nemotron 3 Super, arXiv 2604.12374 section 3.2.1; NeMo-Gym
+    multi-environment training).
+
+    Maximises ``J = sum_e w_e E_{x ~ D_e}[R_e(x, y)]`` in one run: each environment has its own prompts (``dataset``,
+    default the stage's), its own verifier reward plugins and a mixing weight ``w_e``. The train split is rebuilt as a
+    mixture in which every TRL generation batch holds each environment's prompts in the proportion ``w_e / sum w``
+    (largest-remainder rounding, so exactly, not just in expectation), rows shuffled within the batch and drawn per
+    environment by a seeded permutation (re-shuffled when an environment is used up); one epoch is the smallest number
+    of batches that shows every environment all its rows. The plugin sets ``args.shuffle_dataset: false`` so TRL's
+    sampler keeps the batches as built; an ``env`` column names each row's environment.
+
+    Conventions chosen:
+
+    * rewards are routed: every environment's reward function is registered as ``<env>/<reward>`` and returns ``None``
+      (TRL: "does not apply") on other environments' rows, so TRL logs ``rewards/<env>/<reward>/mean`` per
+      environment and advantages stay GRPO group-normalised (groups never mix environments, so reward scales need not
+      match). The mixing weight sets the sampling share, not a reward multiplier; a reward plugin's own ``weight``
+      stays its weight in the sum;
+    * a verifier that raises is retried row by row; rows that still raise get ``None`` (no reward), are masked out of
+      the loss through ``trl_ext_filter_groups`` and counted in ``multi_env/<env>/verifier_errors``; the rest of the
+      batch trains normally;
+    * per generation batch it logs ``multi_env/<env>/share`` and ``multi_env/<env>/reward`` (mean total reward of the
+      environment's scored rows, all ranks); held-out evaluation (greedy, each environment with its own rewards, main
+      process) runs before and after the stage: ``multi_env_eval.json`` and a per-environment reward-curve plot
+      ``multi_env.png`` in the stage folder, and ``multi_env_eval`` in the run summary.
+
+    Bad input (refused at validation, before any model loads): repeated environment names, a reward selection that is
+    not a reward plugin, an environment whose embedded or local dataset has no rows.
+    """
+
+    name = "multi_env"
+    family = "rollout"
+    trainers = frozenset({"grpo", "rloo"})
+    Params = MultiEnvParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.verifier_errors: dict[str, int] = {e.name: 0 for e in self.params.environments}
+        self.before: dict[str, dict] = {}
+        self.mixture_counts: list[int] | None = None
+
+    # -- validation -------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        catalog = _catalog()
+        errors = []
+        for i, env in enumerate(self.params.environments):
+            where = f"plugin {self.name!r}: environments[{i}] ({env.name!r})"
+            for j, selection in enumerate(env.rewards):
+                try:
+                    self._reward_plugin(catalog, selection)
+                except Exception as exc:  # unknown plugin, bad params, not a reward plugin
+                    errors.append(f"{where}.rewards[{j}]: {exc}")
+            for field_name in ("dataset", "eval_dataset"):
+                spec = getattr(env, field_name) if field_name == "eval_dataset" else (env.dataset or stage.dataset)
+                if spec is None or not _loadable_offline(spec):
+                    continue
+                try:
+                    rows = len(_load(spec, catalog, stage))
+                except Exception as exc:
+                    errors.append(f"{where}.{field_name}: cannot be loaded: {exc}")
+                    continue
+                if rows == 0:
+                    errors.append(f"{where}.{field_name}: the environment has no rows ({spec.source})")
+        return errors or None
+
+    @staticmethod
+    def _reward_plugin(catalog, selection: PluginSelection):
+        from pydantic import ValidationError
+
+        cls = catalog.resolve(selection.name).cls
+        if "trl_ext_reward_functions" not in cls.implemented_hooks() or cls is MultiEnv:
+            raise ValueError(f"plugin {selection.name!r} is not a reward plugin")
+        try:
+            return cls(cls.Params.model_validate(selection.params))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ValueError(f"params.{'.'.join(map(str, first['loc']))}: {first['msg']} (plugin {cls.name!r})") from None
+
+    @hookimpl
+    def trl_ext_configure_args(self, trainer, args):
+        return {"shuffle_dataset": False}
+
+    # -- data -------------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_prepare_dataset(self, dataset, split, stage):
+        if split != "train":
+            return None
+        from accelerate import PartialState
+        from datasets import Dataset
+
+        catalog = _catalog()
+        sources = [dataset if env.dataset is None else _load(env.dataset, catalog, stage)
+                   for env in self.params.environments]
+        for env, data in zip(self.params.environments, sources, strict=True):
+            if len(data) == 0:
+                raise ValueError(f"plugin {self.name!r}: environment {env.name!r} has no rows")
+        weights = [env.weight for env in self.params.environments]
+        batch_prompts = generation_batch_prompts(stage.args, PartialState().num_processes)
+        counts = mixture_counts(weights, batch_prompts)
+        empty = [env.name for env, c in zip(self.params.environments, counts, strict=True) if c == 0]
+        if empty:
+            raise ValueError(f"plugin {self.name!r}: environment(s) {empty} get no prompt in a generation batch of "
+                             f"{batch_prompts} prompts; raise their weight or the batch size")
+        self.mixture_counts = counts
+        num_batches = max(-(-len(d) // c) for d, c in zip(sources, counts, strict=True))
+        order = interleave_environments([len(d) for d in sources], weights, batch_prompts, num_batches,
+                                        self.params.seed)
+        columns = sorted({c for d in sources for c in d.column_names} - {ENV_COLUMN})
+        rows = []
+        for env_index, row_index in order:
+            row = sources[env_index][row_index]
+            rows.append({**{c: row.get(c) for c in columns}, ENV_COLUMN: self.params.environments[env_index].name})
+        return Dataset.from_list(rows)
+
+    # -- rewards ----------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_reward_functions(self, stage):
+        from trl_ext.host import PluginHost
+        from trl_ext.rewards import collect_reward_functions
+
+        catalog = _catalog()
+        functions = []
+        for env in self.params.environments:
+            plugins = [self._reward_plugin(catalog, s) for s in env.rewards]
+            for fn in collect_reward_functions(PluginHost(plugins), stage):
+                functions.append(RewardFunction(f"{env.name}/{fn.name}", self._routed(env.name, fn.fn), fn.weight))
+        return functions
+
+    def _routed(self, env_name: str, fn):
+        """``fn`` applied to this environment's rows only (``None`` elsewhere); a crash costs only the rows it hits."""
+
+        def routed(completions, **kwargs):
+            envs = kwargs.get(ENV_COLUMN)
+            if envs is None:
+                raise ValueError(f"plugin {self.name!r}: rows have no {ENV_COLUMN!r} column (is the train dataset the "
+                                 f"multi_env mixture?)")
+            n = len(completions)
+            mine = [i for i, e in enumerate(envs) if e == env_name]
+            out: list[float | None] = [None] * n
+            if not mine:
+                return out
+
+            def subset(indices):
+                sub = {k: ([v[i] for i in indices] if isinstance(v, list) and len(v) == n else v)
+                       for k, v in kwargs.items()}
+                return {**sub, "completions": [completions[i] for i in indices]}
+
+            try:
+                values = fn(**subset(mine))
+                pairs = list(zip(mine, values, strict=True))
+            except Exception as exc:
+                logger.warning("multi_env: verifier of environment %r raised %r; scoring its rows one by one",
+                               env_name, exc)
+                pairs = []
+                for i in mine:
+                    try:
+                        pairs.append((i, fn(**subset([i]))[0]))
+                    except Exception:
+                        self.verifier_errors[env_name] += 1
+            for i, value in pairs:
+                out[i] = value
+            return out
+
+        return routed
+
+    @hookimpl
+    def trl_ext_filter_groups(self, rewards, batch):
+        """Mask rows nobody could score (a crashed verifier); log each environment's share and reward."""
+        names = [e.name for e in self.params.environments]
+        local = torch.tensor([names.index(row[ENV_COLUMN]) for row in batch.inputs], device=rewards.device)
+        trainer = batch.trainer
+        envs = trainer.accelerator.gather(local) if trainer is not None else local
+        for index, name in enumerate(names):
+            rows = envs == index
+            scored = rows & ~torch.isnan(rewards)
+            batch.metrics[f"multi_env/{name}/share"] = rows.float().mean().item()
+            if scored.any():
+                batch.metrics[f"multi_env/{name}/reward"] = rewards[scored].mean().item()
+            batch.metrics[f"multi_env/{name}/verifier_errors"] = float(self.verifier_errors[name])
+        return ~torch.isnan(rewards)
+
+    # -- held-out evaluation ----------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        self.before = self.evaluate(trainer)
+
+    @hookimpl
+    def trl_ext_after_stage(self, stage, output_dir, trainer):
+        from accelerate import PartialState
+
+        from trl_ext.runner import write_json_atomic
+
+        after = self.evaluate(trainer)
+        result = {env: {"before": self.before.get(env), "after": after[env]} for env in after}
+        if PartialState().is_main_process and result:
+            write_json_atomic(Path(output_dir) / "multi_env_eval.json", result)
+            plot_environment_rewards(Path(output_dir) / "metrics.jsonl", Path(output_dir) / "multi_env.png",
+                                     [e.name for e in self.params.environments])
+        return {"multi_env_eval": result} if result else None
+
+    def evaluate(self, trainer) -> dict[str, dict]:
+        """Greedy held-out score of every environment that has an ``eval_dataset`` (main process; others: {})."""
+        from accelerate import PartialState
+
+        from trl_ext.evaluation import evaluate_generation
+        from trl_ext.host import PluginHost
+        from trl_ext.rewards import collect_reward_functions, weighted_reward
+
+        if not PartialState().is_main_process:
+            return {}
+        catalog = _catalog()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        tokenizer = trainer.processing_class
+        out = {}
+        for env in self.params.environments:
+            if env.eval_dataset is None:
+                continue
+            from trl_ext.recipe import StageSpec
+
+            probe = StageSpec(trainer="grpo", model="-", dataset=env.eval_dataset)
+            plugins = [self._reward_plugin(catalog, s) for s in env.rewards]
+            score = weighted_reward(collect_reward_functions(PluginHost(plugins), probe))
+            data = _load(env.eval_dataset, catalog, probe)
+            out[env.name] = evaluate_generation(model, tokenizer, data, score,
+                                                max_new_tokens=self.params.eval_max_new_tokens,
+                                                batch_size=self.params.eval_batch_size)
+        return out
+
+
+def plot_environment_rewards(metrics_path: Path, out_png: Path, names: list[str]) -> Path | None:
+    """One curve per environment: ``multi_env/<env>/reward`` against the step."""
+    if not metrics_path.exists():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for name in names:
+        key = f"multi_env/{name}/reward"
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            axes.plot(*zip(*points), label=name)
+    axes.set_xlabel("step")
+    axes.set_ylabel("train reward")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out_png)
+    plt.close(figure)
+    return out_png
+
+
+def _catalog():
+    from trl_ext.catalog import Catalog
+    from trl_ext.runner import current_run
+
+    run = current_run()
+    return run.catalog if run is not None else Catalog.discover()
+
+
+def _loadable_offline(spec: DatasetSpec) -> bool:
+    """Embedded builders and local files can be checked at validation; hub datasets are checked when loaded."""
+    from trl_ext.recipe import EMBEDDED_PREFIX
+
+    return spec.source.startswith(EMBEDDED_PREFIX) or Path(spec.source).exists()
+
+
+def _load(spec: DatasetSpec, catalog, stage):
+    from trl_ext.runner import load_split
+
+    return load_split(spec, catalog, stage, "train", None)

@@ -1,0 +1,167 @@
+"""``multi_env`` (ALGORITHMS.md item 49): hand-computed mixture counts; every generation batch holds every environment
+in its proportion; rewards are routed per environment and a crashing verifier costs only its own rows; per-environment
+metrics are logged in a training step; an environment with no rows is refused at validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trl_ext import Plugin, hookimpl
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import StageSpec
+from trl_ext.rewards import RewardFunction
+from trl_ext.runner import RunContext, _CURRENT_RUN
+from trl_ext.stage import resolve_stage
+from trl_ext_plugins.rollout.control_math import interleave_environments, mixture_counts
+from trl_ext_plugins.rollout.multi_env import MultiEnv, generation_batch_prompts
+from trl_ext_plugins.rollout.pass_rate_filter import PassRateFilter
+from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+
+def arithmetic(operations, size=None, split="train"):
+    params = {"format": "prompt", "operations": operations, "max_operand": 10}
+    if size is not None:
+        params["size"] = size
+    return {"source": "embedded:arithmetic", "split": split, "params": params}
+
+
+ENVS = [
+    {"name": "add", "weight": 2.0, "dataset": arithmetic("+", 30), "rewards": ["exact_match"]},
+    {"name": "sub", "weight": 1.0, "dataset": arithmetic("-", 12), "rewards": ["exact_match"]},
+    {"name": "mul", "weight": 1.0, "dataset": arithmetic("*", 7), "rewards": ["flaky"]},
+]
+
+
+def test_mixture_counts_by_hand():
+    assert mixture_counts([0.5, 0.25, 0.25], 8) == [4, 2, 2]
+    assert mixture_counts([1, 1, 1], 8) == [3, 3, 2]  # 2.67 each: the two earliest remainders get the extra prompts
+    assert mixture_counts([2, 1], 4) == [3, 1]  # 2.67 / 1.33 -> 2 + 1 by the larger remainder, 1
+    assert generation_batch_prompts({"per_device_train_batch_size": 16, "num_generations": 4}, 1) == 4
+    assert generation_batch_prompts({"per_device_train_batch_size": 8, "num_generations": 4,
+                                     "gradient_accumulation_steps": 2}, 2) == 8
+
+
+def test_every_batch_has_every_environment_in_proportion_and_all_rows_appear():
+    order = interleave_environments([30, 12, 7], [2, 1, 1], batch_prompts=4, num_batches=15, seed=0)
+    for start in range(0, len(order), 4):
+        envs = sorted(e for e, _ in order[start:start + 4])
+        assert envs == [0, 0, 1, 2]
+    assert {r for e, r in order if e == 0} == set(range(30))  # 15 batches x 2 = 30 add rows: each exactly once
+    assert {r for e, r in order if e == 2} == set(range(7))  # mul rows recycled after 7
+
+
+class Flaky(Plugin):
+    """Test verifier: exact match, but it raises on any batch holding the prompt "3*3=" (one bad row)."""
+
+    name = "flaky"
+    family = "reward"
+
+    @hookimpl
+    def trl_ext_reward_functions(self, stage):
+        def flaky(completions, prompts, answer, **kwargs):
+            if "3*3=" in prompts:
+                raise RuntimeError("verifier crashed")
+            return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+        return [RewardFunction(self.name, flaky)]
+
+
+@pytest.fixture
+def catalog(trl_ext_catalog, register_plugin, tmp_path):
+    register_plugin(MultiEnv)
+    register_plugin(ExactMatch)
+    register_plugin(Flaky)
+    register_plugin(PassRateFilter)
+    token = _CURRENT_RUN.set(RunContext(recipe=None, output_dir=tmp_path / "run", catalog=trl_ext_catalog))
+    try:
+        yield trl_ext_catalog
+    finally:
+        _CURRENT_RUN.reset(token)
+
+
+def _stage(envs=ENVS, **args):
+    return StageSpec(trainer="grpo", model="m", dataset=arithmetic("+", 30),
+                     plugins=[{"multi_env": {"environments": envs}}, "exact_match"],
+                     args={"per_device_train_batch_size": 16, "num_generations": 4, **args})
+
+
+def test_prepared_train_split_mixes_environments_per_generation_batch(catalog):
+    stage = _stage()
+    plugin = MultiEnv(MultiEnv.Params(environments=ENVS))
+    from trl_ext.runner import load_split
+
+    base = load_split(stage.dataset, catalog, stage, "train", None)
+    mixed = plugin.trl_ext_prepare_dataset(dataset=base, split="train", stage=stage)
+    assert plugin.mixture_counts == [2, 1, 1]
+    envs = mixed["env"]
+    assert len(envs) % 4 == 0
+    for start in range(0, len(envs), 4):
+        block = envs[start:start + 4]
+        assert sorted(block) == ["add", "add", "mul", "sub"]
+    assert set(mixed["prompt"][i] for i, e in enumerate(envs) if e == "mul") <= {f"{a}*{b}=" for a in range(10)
+                                                                                   for b in range(10)}
+    assert plugin.trl_ext_prepare_dataset(dataset=base, split="eval", stage=stage) is None
+    assert resolve_stage(stage, 0, catalog).args["shuffle_dataset"] is False
+
+
+def test_rewards_are_routed_and_a_crashing_verifier_costs_only_its_rows(catalog):
+    plugin = MultiEnv(MultiEnv.Params(environments=ENVS))
+    functions = {f.name: f.fn for f in plugin.trl_ext_reward_functions(stage=_stage())}
+    assert sorted(functions) == ["add/exact_match", "mul/flaky", "sub/exact_match"]
+    rows = {"prompts": ["1+2=", "3*3=", "2*2=", "5-1=", "3*1="],
+            "completions": ["3", "9", "4", "7", "0"],
+            "answer": ["3", "9", "4", "4", "3"],
+            "env": ["add", "mul", "mul", "sub", "mul"]}
+    assert functions["add/exact_match"](**rows) == [1.0, None, None, None, None]
+    assert functions["sub/exact_match"](**rows) == [None, None, None, 0.0, None]
+    # the mul verifier raises on the batch; row by row only "3*3=" fails: it gets None, the others their reward
+    assert functions["mul/flaky"](**rows) == [None, None, 1.0, None, 0.0]
+    assert plugin.verifier_errors == {"add": 0, "sub": 0, "mul": 1}
+
+    from trl_ext.batches import RolloutBatch
+
+    totals = torch.tensor([1.0, float("nan"), 1.0, 0.0, 0.0])
+    batch = RolloutBatch(rewards_per_func=totals.unsqueeze(1), reward_names=["x"], reward_weights=torch.ones(1),
+                         num_generations=1, process_slice=slice(0, 5), completion_ids=torch.zeros(5, 1),
+                         completion_mask=torch.ones(5, 1), completion_lengths=torch.ones(5), prompts=rows["prompts"],
+                         completions=rows["completions"], inputs=[{"env": e} for e in rows["env"]])
+    keep = plugin.trl_ext_filter_groups(rewards=totals, batch=batch)
+    assert keep.tolist() == [True, False, True, True, True]  # only the crashed row leaves the loss
+    assert batch.metrics["multi_env/mul/share"] == pytest.approx(0.6)
+    assert batch.metrics["multi_env/mul/reward"] == pytest.approx(0.5)  # (1 + 0) / 2 scored rows
+    assert batch.metrics["multi_env/add/reward"] == 1.0 and batch.metrics["multi_env/mul/verifier_errors"] == 1.0
+
+
+@pytest.mark.parametrize("envs, message", [
+    ([{"name": "empty", "dataset": arithmetic("+", 0), "rewards": ["exact_match"]}],
+     "environments[0] ('empty').dataset: the environment has no rows"),
+    ([{"name": "a", "rewards": ["nope"]}], "environments[0] ('a').rewards[0]: plugins: unknown plugin 'nope'"),
+    ([{"name": "a", "rewards": ["pass_rate_filter"]}], "plugin 'pass_rate_filter' is not a reward plugin"),
+    ([{"name": "a", "rewards": [{"exact_match": {"weight": "x"}}]}], "rewards[0]: params.weight"),
+    ([{"name": "a", "rewards": ["exact_match"]}, {"name": "a", "rewards": ["exact_match"]}], "repeated: a"),
+    ([{"name": "a", "rewards": []}], "rewards"),
+])
+def test_bad_environments_are_refused_at_validation(catalog, envs, message):
+    with pytest.raises(RecipeError) as err:
+        resolve_stage(_stage(envs), 0, catalog)
+    assert message in str(err.value) and "multi_env" in str(err.value)
+
+
+def test_training_step_logs_per_environment_metrics(tiny_trainer, catalog):
+    envs = [{"name": "add", "dataset": arithmetic("+", 16), "rewards": ["exact_match"]},
+            {"name": "mul", "dataset": arithmetic("*", 16), "rewards": ["flaky"]}]
+    plugin = MultiEnv(MultiEnv.Params(environments=envs))
+    stage = _stage(envs, per_device_train_batch_size=8, num_generations=4)
+    from trl_ext.runner import load_split
+
+    data = plugin.trl_ext_prepare_dataset(dataset=load_split(stage.dataset, catalog, stage, "train", None),
+                                          split="train", stage=stage)
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data, args={"max_steps": 2, "shuffle_dataset": False})
+    assert set(plugin.before) == set()  # no eval_dataset: nothing evaluated
+    trainer.train()
+    logged = {k for row in trainer.state.log_history for k in row}
+    assert {"multi_env/add/share", "multi_env/mul/share", "multi_env/add/verifier_errors",
+            "rewards/add/exact_match/mean", "rewards/mul/flaky/mean"} <= logged
+    shares = [row["multi_env/add/share"] for row in trainer.state.log_history if "multi_env/add/share" in row]
+    assert shares and all(s == 0.5 for s in shares)
