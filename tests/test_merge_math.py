@@ -15,6 +15,7 @@ from trl_ext_plugins.merge.math import (
     normalized_weights,
     slerp,
     slerp_coefficients,
+    slerp_fold_coefficients,
     slerp_many,
 )
 
@@ -137,3 +138,21 @@ def test_check_same_tensors_names_the_tensor():
         check_same_tensors([{"a": (2,)}, {"a": (2,), "b": (1,)}], ["x", "y"], "merge")
     with pytest.raises(ArchitectureMismatchError, match="tensor 'b' is in 'x' but not in 'y'"):
         check_same_tensors([{"a": (2,), "b": (1,)}, {"a": (2,)}], ["x", "y"], "merge")
+
+
+def test_gram_fold_equals_vector_slerp():
+    """The streamed merge computes SLERP from the task vectors' Gram matrix; it equals SLERP on the vectors."""
+    gen = torch.Generator().manual_seed(0)
+    for m, t in ((2, None), (2, 0.3), (3, None), (4, None)):
+        deltas = [torch.randn(50, generator=gen, dtype=torch.float64) for _ in range(m)]
+        stacked = torch.stack(deltas)
+        coefficients, fallbacks = slerp_fold_coefficients(stacked @ stacked.T, t)
+        merged, expected_fallbacks = slerp_many(deltas, t)
+        assert torch.allclose(torch.tensor(coefficients, dtype=torch.float64) @ stacked, merged, atol=1e-12)
+        assert fallbacks == expected_fallbacks == 0
+    e = torch.eye(3, dtype=torch.float64)
+    assert slerp_fold_coefficients(e)[0] == pytest.approx([0.612372, 0.612372, 0.5], abs=1e-6)
+    parallel = torch.stack([torch.tensor([1.0, 2.0]), torch.tensor([2.0, 4.0])]).double()
+    assert slerp_fold_coefficients(parallel @ parallel.T, 0.25) == ([0.75, 0.25], 1)
+    with pytest.raises(ZeroTaskVectorError):
+        slerp_fold_coefficients(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))

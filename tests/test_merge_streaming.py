@@ -15,7 +15,6 @@ from trl_ext_plugins.merge.math import (
     ArchitectureMismatchError,
     ZeroTaskVectorError,
     average_state_dicts,
-    weighted_average,
 )
 from trl_ext_plugins.merge.streaming import stream_merge, weight_files
 from trl_ext_plugins.merge.warp import Warp, WarpParams
@@ -64,7 +63,7 @@ def test_stream_average_equals_in_memory_average_and_loads(family, tmp_path):
     sources = family["runs"]
     out = _save(AutoModelForCausalLM.from_pretrained(sources[0]), tmp_path / "out")
     weights = [0.5, 0.3, 0.2]
-    counts = stream_merge(sources, out, lambda _n, ts: weighted_average(ts, weights), who="test")
+    counts = stream_merge(sources, out, lambda _n, _g: weights, who="test", chunk_elements=100)
     expected = average_state_dicts([_weights(s) for s in sources], weights)
     got = _weights(out)
     assert got.keys() == expected.keys() and counts["merged_tensors"] == len(expected)
@@ -82,7 +81,7 @@ def test_sharded_layout_is_mirrored(family, tmp_path):
     assert len(weight_files(sharded[0])) > 1
     out = tmp_path / "out"
     _save(AutoModelForCausalLM.from_pretrained(family["init"]), out)  # a single-file folder: its old file must go
-    stream_merge(sharded, out, lambda _n, ts: weighted_average(ts, [0.5, 0.5]), who="test")
+    stream_merge(sharded, out, lambda _n, _g: [0.5, 0.5], who="test")
     assert weight_files(out) == weight_files(sharded[0]) and not (out / "model.safetensors").exists()
     expected = average_state_dicts([_weights(s) for s in family["runs"][:2]])
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -100,7 +99,7 @@ def test_integer_buffers_are_copied_from_the_base(tmp_path):
         folders.append(folder)
     out = tmp_path / "out"
     out.mkdir()
-    counts = stream_merge(folders, out, lambda _n, ts: (ts[0].double() + ts[1].double()) / 2, base=1, who="test")
+    counts = stream_merge(folders, out, lambda _n, _g: [0.5, 0.5], base=1, who="test")
     got = load_file(str(out / "model.safetensors"))
     assert got["w"].tolist() == [2.0, 4.0]  # ALGORITHMS.md 53: mean of [1, 3] and [3, 5]
     assert got["steps"].tolist() == [9, 2] and got["steps"].dtype == torch.int64
@@ -114,14 +113,14 @@ def test_mismatched_architectures_are_refused_naming_the_tensor(family, tmp_path
     out.mkdir()
     with pytest.raises(ArchitectureMismatchError, match=r"'model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight' has shape"
                        ) as err:
-        stream_merge([family["runs"][0], wide], out, lambda _n, ts: ts[0], who="checkpoint_average")
+        stream_merge([family["runs"][0], wide], out, lambda _n, _g: [1.0, 0.0], who="checkpoint_average")
     assert str(wide) in str(err.value) and str(family["runs"][0]) in str(err.value)
     deeper = _save(AutoModelForCausalLM.from_config(_config(num_hidden_layers=3)), tmp_path / "deep")
     with pytest.raises(ArchitectureMismatchError, match=r"tensor 'model\.layers\.2\.[^']+' is in"):
-        stream_merge([family["runs"][0], deeper], out, lambda _n, ts: ts[0], who="checkpoint_average")
+        stream_merge([family["runs"][0], deeper], out, lambda _n, _g: [1.0, 0.0], who="checkpoint_average")
     assert not (out / "model.safetensors").exists()  # refused before writing anything
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
-        stream_merge([family["runs"][0], tmp_path], out, lambda _n, ts: ts[0])
+        stream_merge([family["runs"][0], tmp_path], out, lambda _n, _g: [1.0, 0.0])
 
 
 class _FakeTrainer:
@@ -222,3 +221,26 @@ def test_warp_zero_task_vector(family, tmp_path):
     for key in init:  # linear: init + (delta_1 + 0) / 2
         assert torch.allclose(got[key], (init[key] + r0[key]) / 2, atol=1e-6), key
     assert json.loads((stage_dir / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_chunked_gram_merge_equals_whole_tensor_merge(family, tmp_path):
+    """Row chunks of a few dozen elements give the same Gram matrices and the same merged weights as whole tensors."""
+    sources = [family["init"], *family["runs"][:2]]
+    grams = {}
+
+    def record(chunks):
+        def weights(name, gram):
+            grams.setdefault(name, []).append(gram)
+            return [0.4, 0.3, 0.3]
+        return weights
+
+    outs = []
+    for chunk in (1 << 20, 40):
+        out = tmp_path / f"out{chunk}"
+        out.mkdir()
+        stream_merge(sources, out, record(chunk), gram=True, chunk_elements=chunk)
+        outs.append(_weights(out))
+    for key, (whole, chunked) in grams.items():
+        assert torch.allclose(whole, chunked, rtol=1e-12, atol=0), key
+    for key in outs[0]:
+        assert torch.equal(outs[0][key], outs[1][key]), key

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from trl_ext import Plugin, PluginParams, hookimpl
-from trl_ext_plugins.merge.math import ema_weights, normalized_weights, weighted_average
+from trl_ext_plugins.merge.math import ema_weights, normalized_weights
 from trl_ext_plugins.merge.refs import on_main_then_wait, resolve_source
 from trl_ext_plugins.merge.streaming import (
     check_sources,
@@ -142,8 +142,7 @@ class CheckpointAverage(Plugin):
         def merge():
             if stage.trainer == MERGE_TRAINER:  # the stage folder (a copy of `model:`) must fit the sources too
                 check_sources([sources[-1], stage_dir], self.name)
-            counts = stream_merge(sources, stage_dir, lambda _name, tensors: weighted_average(tensors, weights),
-                                  base=len(sources) - 1, who=self.name)
+            counts = stream_merge(sources, stage_dir, lambda _name, _gram: weights, base=len(sources) - 1, who=self.name)
             return counts
 
         counts = on_main_then_wait(merge) or {}

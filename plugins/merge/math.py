@@ -66,6 +66,16 @@ def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float],
     return acc.to(out_dtype or tensors[0].dtype)
 
 
+def coefficients_from_cos(cos: float, t: float, colinear_threshold: float = 0.9995) -> tuple[float, float, bool]:
+    """SLERP's ``(sin((1-t) W) / sin W, sin(t W) / sin W)`` for ``cos W``, or ``(1-t, t)`` when ``|cos W|`` exceeds the
+    threshold (see :func:`slerp_coefficients`); the flag says whether the linear fallback was used."""
+    if abs(cos) > colinear_threshold:
+        return 1.0 - t, t, True
+    omega = math.acos(cos)
+    sin_omega = math.sin(omega)
+    return math.sin((1.0 - t) * omega) / sin_omega, math.sin(t * omega) / sin_omega, False
+
+
 def slerp_coefficients(delta_1: torch.Tensor, delta_2: torch.Tensor, t: float,
                        colinear_threshold: float = 0.9995) -> tuple[float, float, bool]:
     """Coefficients ``(c_1, c_2)`` of ``slerp(delta_1, delta_2; t) = c_1 delta_1 + c_2 delta_2`` and whether the linear
@@ -84,11 +94,7 @@ def slerp_coefficients(delta_1: torch.Tensor, delta_2: torch.Tensor, t: float,
     if n1 == 0 or n2 == 0:
         raise ZeroTaskVectorError("a task vector is exactly zero; its angle is undefined")
     cos = float(torch.clamp(torch.dot(d1, d2) / (n1 * n2), -1.0, 1.0))
-    if abs(cos) > colinear_threshold:
-        return 1.0 - t, t, True
-    omega = math.acos(cos)
-    sin_omega = math.sin(omega)
-    return math.sin((1.0 - t) * omega) / sin_omega, math.sin(t * omega) / sin_omega, False
+    return coefficients_from_cos(cos, t, colinear_threshold)
 
 
 def slerp(delta_1: torch.Tensor, delta_2: torch.Tensor, t: float, colinear_threshold: float = 0.9995) -> torch.Tensor:
@@ -119,6 +125,36 @@ def slerp_many(deltas: Sequence[torch.Tensor], t: float | None = None,
         acc = c1 * acc + c2 * delta.to(torch.float64)
         fallbacks += linear
     return acc, fallbacks
+
+
+def slerp_fold_coefficients(gram: torch.Tensor, t: float | None = None,
+                            colinear_threshold: float = 0.9995) -> tuple[list[float], int]:
+    """:func:`slerp_many` from the Gram matrix ``G[i, j] = <d_i, d_j>`` of the M task vectors alone.
+
+    Every fold keeps the running vector a linear combination ``acc = sum_m a_m d_m``, so ``|acc|^2 = a^T G a`` and
+    ``<acc, d_m> = (G a)_m``: the merged task vector's coefficients ``a`` follow without holding any vector in memory.
+    This is how the streamed merge computes SLERP (one pass for G, one for the output). Returns ``a`` and the number
+    of folds that used the linear fallback; raises :class:`ZeroTaskVectorError` when a vector (or the running merge)
+    is zero.
+    """
+    g = gram.to(torch.float64)
+    m_total = g.shape[0]
+    if t is not None and m_total != 2:
+        raise ValueError(f"an explicit SLERP t applies to exactly 2 task vectors, got {m_total}")
+    a = torch.zeros(m_total, dtype=torch.float64)
+    a[0] = 1.0
+    fallbacks = 0
+    for m in range(1, m_total):
+        norm_acc = math.sqrt(max(float(a @ g @ a), 0.0))
+        norm_m = math.sqrt(max(float(g[m, m]), 0.0))
+        if norm_acc == 0 or norm_m == 0:
+            raise ZeroTaskVectorError("a task vector is exactly zero; its angle is undefined")
+        cos = max(-1.0, min(1.0, float((g @ a)[m]) / (norm_acc * norm_m)))
+        c1, c2, linear = coefficients_from_cos(cos, t if t is not None else 1.0 / (m + 1), colinear_threshold)
+        a = c1 * a
+        a[m] += c2
+        fallbacks += linear
+    return a.tolist(), fallbacks
 
 
 def liti(theta_init: torch.Tensor, theta_merged: torch.Tensor, eta: float) -> torch.Tensor:

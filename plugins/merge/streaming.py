@@ -1,10 +1,12 @@
 """Merge Hugging Face model folders tensor by tensor through safetensors, so peak memory stays near one model.
 
 A model folder holds ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Names, shapes and
-dtypes are read from the safetensors headers only (no tensor is loaded) to check that the sources match; then, for
-each output shard, every tensor is read from each source (one ``safe_open`` per read, closed straight away, so no
-source stays memory-mapped), merged, and kept until the shard is written. Peak memory is therefore about one output
-shard (one model for a single-file model) plus the K source copies of the largest tensor.
+dtypes are read from the safetensors headers only (no tensor is loaded) to check that the sources match. A merge is
+a per-tensor linear combination of the sources (fixed weights for averages; weights from the task vectors' Gram
+matrix for SLERP), so each output tensor is built in row chunks: a slice of every source is read (one ``safe_open``
+per read, closed straight away, so no source stays memory-mapped), combined in float64 and copied into the output
+tensor, which is kept until its shard is written. Peak memory is therefore about one output shard (one model for a
+single-file model) plus K float64 chunks.
 
 The output mirrors the base source's layout (same shard files, same index), so ``from_pretrained`` reads it like the
 base. Non-floating tensors (integer and bool buffers) are copied from the base source, never merged.
@@ -13,6 +15,7 @@ base. Non-floating tensors (integer and bool buffers) are copied from the base s
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from trl_ext_plugins.merge.math import check_same_tensors
+from trl_ext_plugins.merge.math import check_same_tensors, weighted_average
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -63,14 +66,6 @@ def tensor_index(folder: str | Path) -> dict[str, TensorInfo]:
     return index
 
 
-def read_tensor(folder: str | Path, info: TensorInfo, name: str) -> torch.Tensor:
-    """One tensor, read through a handle opened and closed here (no mapping outlives the read)."""
-    from safetensors import safe_open
-
-    with safe_open(str(Path(folder) / info.file), framework="pt") as handle:
-        return handle.get_tensor(name)
-
-
 def check_sources(sources: Sequence[str | Path], who: str) -> list[dict[str, TensorInfo]]:
     """Tensor indexes of all sources, refusing mismatched names or shapes (the error names the tensor)."""
     indexes = [tensor_index(s) for s in sources]
@@ -78,20 +73,58 @@ def check_sources(sources: Sequence[str | Path], who: str) -> list[dict[str, Ten
     return indexes
 
 
-# A merge rule: (tensor name, the tensors of the sources in order) -> merged floating-point tensor (any float dtype;
-# the caller casts it to the base's dtype).
-MergeRule = Callable[[str, list[torch.Tensor]], torch.Tensor]
+# A merge as weights: (tensor name, Gram matrix of the task vectors sources[1:] - sources[0] when asked for, else
+# None) -> one weight per source; the merged tensor is sum_k w_k theta_k. Averages have fixed weights; WARP's SLERP +
+# LITI is also a linear combination of the sources, with weights that depend on the task vectors' angles.
+WeightsFn = Callable[[str, "torch.Tensor | None"], Sequence[float]]
+
+FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def read_rows(folder: Path, info: TensorInfo, name: str, rows: slice | None) -> torch.Tensor:
+    """Rows ``rows`` of a tensor (all of it when None or 0-d), through a handle closed straight after the read."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / info.file), framework="pt") as handle:
+        if rows is None or not info.shape:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[rows]
+
+
+def row_chunks(shape: tuple[int, ...], chunk_elements: int) -> list[slice | None]:
+    """Slices of the first dimension holding about ``chunk_elements`` elements each (None: the tensor is one chunk)."""
+    total = math.prod(shape)
+    if not shape or total <= chunk_elements:
+        return [None]
+    per_row = max(total // shape[0], 1)
+    step = max(chunk_elements // per_row, 1)
+    return [slice(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
+
+
+def task_vector_gram(sources: Sequence[Path], indexes: Sequence[dict[str, TensorInfo]], name: str,
+                     chunk_elements: int) -> torch.Tensor:
+    """``G[i, j] = <theta_{i+1} - theta_0, theta_{j+1} - theta_0>`` over the whole tensor, accumulated chunk by chunk."""
+    m = len(sources) - 1
+    gram = torch.zeros((m, m), dtype=torch.float64)
+    for rows in row_chunks(indexes[0][name].shape, chunk_elements):
+        init = read_rows(sources[0], indexes[0][name], name, rows).to(torch.float64).flatten()
+        deltas = torch.stack([read_rows(src, idx[name], name, rows).to(torch.float64).flatten() - init
+                              for src, idx in zip(sources[1:], indexes[1:])])
+        gram += deltas @ deltas.T
+    return gram
 
 
 @torch.no_grad()
-def stream_merge(sources: Sequence[str | Path], out_dir: str | Path, rule: MergeRule, base: int = 0,
-                 who: str = "merge") -> dict[str, int]:
-    """Write the merge of ``sources`` into ``out_dir`` (weight files only), tensor by tensor.
+def stream_merge(sources: Sequence[str | Path], out_dir: str | Path, weights_fn: WeightsFn, base: int = 0,
+                 who: str = "merge", gram: bool = False, chunk_elements: int = 1 << 20) -> dict[str, int]:
+    """Write ``sum_k w_k sources[k]`` per floating-point tensor into ``out_dir`` (weight files only), chunk by chunk.
 
-    ``rule`` merges one floating-point tensor; non-floating tensors are copied from ``sources[base]``, whose layout
-    (shards, index, dtypes) the output mirrors. ``out_dir`` may be one of the sources: the new files are written to a
-    temporary folder first and moved in at the end, replacing the old weight files. Returns counts of merged and
-    copied tensors.
+    ``weights_fn(name, G)`` gives the weights of one tensor; ``G`` (with ``gram=True``) is the Gram matrix of the task
+    vectors relative to ``sources[0]``, computed in a first pass over the tensor. Each tensor is then built in row
+    chunks of about ``chunk_elements`` elements: a chunk of every source is read (float64), combined, and written into
+    the output tensor in the base's dtype. Non-floating tensors are copied from ``sources[base]``, whose layout (shards,
+    index, dtypes) the output mirrors. ``out_dir`` may be one of the sources: the new files are written to a temporary
+    folder first and moved in at the end. Returns counts of merged and copied tensors.
     """
     from safetensors.torch import save_file
 
@@ -108,15 +141,21 @@ def stream_merge(sources: Sequence[str | Path], out_dir: str | Path, rule: Merge
         for name, info in base_index.items():
             if info.file != file_name:
                 continue
-            reference = read_tensor(base_dir, info, name)
-            if not reference.is_floating_point():
-                shard[name] = reference
+            if info.dtype not in FLOAT_CODES:
+                shard[name] = read_rows(base_dir, info, name, None)
                 counts["copied_tensors"] += 1
                 continue
-            tensors = [reference if i == base else read_tensor(src, idx[name], name)
-                       for i, (src, idx) in enumerate(zip(sources, indexes))]
-            shard[name] = rule(name, tensors).to(reference.dtype).contiguous()
-            del tensors
+            weights = [float(w) for w in weights_fn(name, task_vector_gram(sources, indexes, name, chunk_elements)
+                                                    if gram else None)]
+            out = None
+            for rows in row_chunks(info.shape, chunk_elements):
+                pieces = [read_rows(src, idx[name], name, rows) for src, idx in zip(sources, indexes)]
+                if out is None:
+                    out = torch.empty(info.shape, dtype=pieces[base].dtype)
+                merged = weighted_average(pieces, weights, out.dtype)
+                (out if rows is None else out[rows]).copy_(merged)
+                del pieces, merged
+            shard[name] = out
             counts["merged_tensors"] += 1
         save_file(shard, str(tmp / file_name), metadata={"format": "pt"})
         del shard
@@ -164,5 +203,5 @@ def load_into_model(model, folder: str | Path) -> bool:
         return False
     for name, info in index.items():
         target = targets[name]
-        target.data.copy_(read_tensor(folder, info, name).to(target.dtype))
+        target.data.copy_(read_rows(Path(folder), info, name, None).to(target.dtype))
     return True

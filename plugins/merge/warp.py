@@ -11,7 +11,7 @@ from pydantic import Field
 from transformers import TrainerCallback
 
 from trl_ext import Plugin, PluginParams, hookimpl
-from trl_ext_plugins.merge.math import ZeroTaskVectorError, liti, slerp_many, weighted_average
+from trl_ext_plugins.merge.math import ZeroTaskVectorError, slerp_fold_coefficients
 from trl_ext_plugins.merge.refs import on_main_then_wait, resolve_source
 from trl_ext_plugins.merge.streaming import stream_merge
 
@@ -72,32 +72,34 @@ class EmaAnchorState(TrainerCallback):
                           f"the stage's initial model", stacklevel=1)
 
 
-def warp_rule(eta: float, slerp_t: float | None, colinear_threshold: float, zero_task_vector: str,
-              run_names: list[str], stats: dict[str, int]):
-    """The per-tensor merge of sources ``[theta_init, theta_1, ..., theta_M]``: LITI(init, init + SLERP(deltas))."""
+def warp_weights(eta: float, slerp_t: float | None, colinear_threshold: float, zero_task_vector: str,
+                 run_names: list[str], stats: dict[str, int]):
+    """Per-tensor weights of ``[theta_init, theta_1, ..., theta_M]`` giving LITI(init, init + SLERP(deltas)).
 
-    def rule(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        init = tensors[0].to(torch.float64)
-        deltas = [t.to(torch.float64) - init for t in tensors[1:]]
+    SLERP's result is ``sum_m c_m delta_m`` (coefficients from the task vectors' Gram matrix), so
+    ``theta = theta_init + eta sum_m c_m (theta_m - theta_init)``: weights ``1 - eta sum c`` on the init and
+    ``eta c_m`` on run m.
+    """
+
+    def weights(name: str, gram: torch.Tensor) -> list[float]:
+        m = gram.shape[0]
         try:
-            for delta, run in zip(deltas, run_names):
-                if not torch.any(delta != 0):
+            for i, run in enumerate(run_names):
+                if gram[i, i] == 0:
                     raise ZeroTaskVectorError(f"warp: tensor {name!r} did not change in {run!r} (its task vector is "
                                               f"zero, so SLERP has no direction); set zero_task_vector: linear to "
                                               f"interpolate such tensors linearly")
-            merged, fallbacks = slerp_many(deltas, slerp_t, colinear_threshold)
+            coefficients, fallbacks = slerp_fold_coefficients(gram, slerp_t, colinear_threshold)
             stats["linear_fallback_tensors"] += bool(fallbacks)
         except ZeroTaskVectorError as exc:
             if zero_task_vector == "error":
                 raise ZeroTaskVectorError(str(exc) if str(exc).startswith("warp:") else f"warp: tensor {name!r}: {exc}"
                                           ) from None
-            m = len(deltas)
-            weights = [1.0 - slerp_t, slerp_t] if slerp_t is not None else [1.0 / m] * m
-            merged = weighted_average(deltas, weights, torch.float64)
+            coefficients = [1.0 - slerp_t, slerp_t] if slerp_t is not None else [1.0 / m] * m
             stats["zero_task_vector_tensors"] += 1
-        return liti(init, init + merged, eta)
+        return [1.0 - eta * sum(coefficients)] + [eta * c for c in coefficients]
 
-    return rule
+    return weights
 
 
 class Warp(Plugin):
@@ -178,8 +180,9 @@ class Warp(Plugin):
         init = resolve_source(stage.model, stage_dir, self.name)
         runs = [resolve_source(ref, stage_dir, self.name) for ref in p.runs]
         stats = {"linear_fallback_tensors": 0, "zero_task_vector_tensors": 0}
-        rule = warp_rule(p.eta, p.slerp_t, p.colinear_threshold, p.zero_task_vector, list(p.runs), stats)
+        weights = warp_weights(p.eta, p.slerp_t, p.colinear_threshold, p.zero_task_vector, list(p.runs), stats)
 
-        counts = on_main_then_wait(lambda: stream_merge([init, *runs], stage_dir, rule, base=0, who=self.name)) or {}
+        counts = on_main_then_wait(lambda: stream_merge([init, *runs], stage_dir, weights, base=0, who=self.name,
+                                                        gram=True)) or {}
         return {"warp": {"init": str(init), "runs": [str(r) for r in runs], "eta": p.eta, "slerp_t": p.slerp_t,
                          **counts, **stats}}

@@ -1,0 +1,158 @@
+"""Merge plugins inside recipes: validation, plugin conformance, a merge-only stage through the runner (fast), and the
+WARP recipe end to end on the tiny model (slow): EMA anchor = TRL's per-step mix, final weights = SLERP + LITI of the
+stage outputs, resumption skips finished stages."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import parse_recipe
+from trl_ext.runner import resolve_recipe, run_recipe
+from trl_ext.testing import check_plugin_conformance, fresh_catalog
+from trl_ext_plugins.merge.checkpoint_average import CheckpointAverage
+from trl_ext_plugins.merge.warp import ANCHOR_FILE, Warp
+from trl_ext_plugins.rewards.exact_match import ExactMatch
+from trl_ext_plugins.trainers.sft import SFT
+
+PROMPTS = {"source": "embedded:arithmetic", "split": "train", "params": {"format": "prompt"}}
+
+
+def _catalog():
+    catalog = fresh_catalog()
+    for cls in (CheckpointAverage, Warp, ExactMatch, SFT):
+        catalog.add_plugin(cls)
+    return catalog
+
+
+def _errors(recipe):
+    with pytest.raises(RecipeError) as err:
+        resolve_recipe(parse_recipe(recipe), _catalog())
+    return "\n".join(err.value.messages)
+
+
+def test_conformance():
+    check_plugin_conformance(CheckpointAverage)
+    check_plugin_conformance(Warp)
+
+
+def test_validation_names_the_field():
+    merge = {"name": "m", "trainer": "merge", "model": "embedded:tiny-qwen2", "dataset": PROMPTS}
+    errors = _errors({"stages": [{**merge, "plugins": [{"checkpoint_average": {"mode": "weighted"}}]}]})
+    assert "stages[0].plugins[0].params" in errors and "needs `weights`" in errors
+    errors = _errors({"stages": [{**merge, "plugins": ["checkpoint_average"]}]})
+    assert "params.sources must list the models" in errors
+    # the merge trainer's own check (TrainerKind.check) refuses a merge stage that selects no merge plugin
+    from trl_ext.host import PluginHost
+    from trl_ext.trainers.merge import check_stage
+
+    (message,) = check_stage(PluginHost([]), None, {}, "stages[0]")
+    assert message.startswith("stages[0].plugins: the merge trainer needs a merge plugin")
+    assert check_stage(PluginHost([Warp()]), None, {}, "stages[0]") == []
+    errors = _errors({"stages": [{**merge, "plugins": [{"warp": {"runs": ["stage:a"]}}]}]})
+    assert "M >= 2" in errors
+    errors = _errors({"stages": [{**merge, "plugins": [{"warp": {"runs": ["a", "b", "c"], "slerp_t": 0.2}}]}]})
+    assert "slerp_t applies to M = 2" in errors
+    sft = {"name": "s", "trainer": "sft", "model": "embedded:tiny-qwen2", "dataset": "embedded:arithmetic"}
+    errors = _errors({"stages": [{**sft, "plugins": [{"checkpoint_average": {"mode": "weighted", "weights": [1, 2]}}],
+                                  "args": {"save_total_limit": 1}}]})
+    assert "params.weights needs params.last_n" in errors
+    errors = _errors({"stages": [{**sft, "plugins": [{"checkpoint_average": {"last_n": 3}}],
+                                  "args": {"save_total_limit": 2}}]})
+    assert "save_total_limit 2 keeps fewer checkpoints than params.last_n 3" in errors
+    errors = _errors({"stages": [{**sft, "plugins": [{"checkpoint_average": {}}], "peft": {"type": "lora"}}]})
+    assert "PEFT" in errors
+    errors = _errors({"stages": [{**sft, "plugins": ["warp"]}]})
+    assert "works with trainer(s)" in errors
+    rl = {"name": "r", "trainer": "rloo", "model": "embedded:tiny-qwen2", "dataset": PROMPTS,
+          "plugins": ["warp", "exact_match"], "args": {"beta": 0.5}}
+    assert "args.beta: the recipe sets 0.5 but plugin 'warp' requires 0.1" in _errors({"stages": [rl]})
+
+
+def test_warp_sets_trl_ema_anchor_args():
+    rl = {"name": "r", "trainer": "rloo", "model": "embedded:tiny-qwen2", "dataset": PROMPTS,
+          "plugins": [{"warp": {"ema_rate": 0.02}}, "exact_match"]}
+    (resolved,) = resolve_recipe(parse_recipe({"stages": [rl]}), _catalog())
+    assert {k: resolved.args[k] for k in ("beta", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps")
+            } == {"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 0.02, "ref_model_sync_steps": 1}
+
+
+def _save_perturbed(folder, out, seed):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    return str(out)
+
+
+def test_merge_only_stage_through_the_runner(tmp_path):
+    """A `merge` stage averages two folders; its output loads with from_pretrained and later stages can use it."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_ext.embedded.models import materialize_model
+
+    base = str(materialize_model("tiny-qwen2", tmp_path / "base", seed=0))
+    a, b = _save_perturbed(base, tmp_path / "a", 1), _save_perturbed(base, tmp_path / "b", 2)
+    recipe = parse_recipe({"seed": 0, "stages": [{
+        "name": "soup", "trainer": "merge", "model": base, "dataset": PROMPTS,
+        "plugins": [{"checkpoint_average": {"sources": [a, b], "mode": "weighted", "weights": [1.0, 3.0]}}]}]})
+    info = run_recipe(recipe, tmp_path / "run", _catalog(), echo=lambda _m: None)
+    summary = info["stages"]["soup"]
+    assert summary["global_step"] == 0 and summary["checkpoint_average"]["weights"] == [0.25, 0.75]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "soup").state_dict()
+    wa, wb = load_file(f"{a}/model.safetensors"), load_file(f"{b}/model.safetensors")
+    for key in wa:
+        expected = (0.25 * wa[key].double() + 0.75 * wb[key].double()).float()
+        assert torch.equal(merged[key], expected), key
+    assert (tmp_path / "run" / "soup" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_warp_recipe_end_to_end(tmp_path):
+    """Two RLOO runs (2 steps each) with the EMA anchor, then SLERP + LITI; checked against the formula written out
+    here from the stage outputs; a rerun skips every stage."""
+    rl_args = {"max_steps": 2, "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 4,
+               "learning_rate": 1e-3, "save_steps": 1, "logging_steps": 1, "gradient_checkpointing": False}
+    rl = {"trainer": "rloo", "model": "embedded:tiny-qwen2", "dataset": PROMPTS, "plugins": ["warp", "exact_match"]}
+    recipe = parse_recipe({"seed": 0, "stages": [
+        {**rl, "name": "rl_a", "args": {**rl_args, "seed": 1}},
+        {**rl, "name": "rl_b", "args": {**rl_args, "seed": 2}},
+        {"name": "warp", "trainer": "merge", "model": "embedded:tiny-qwen2", "dataset": PROMPTS,
+         "plugins": [{"warp": {"runs": ["stage:rl_a", "stage:rl_b"], "eta": 0.3}}]},
+    ]})
+    run = tmp_path / "run"
+    info = run_recipe(recipe, run, _catalog(), echo=lambda _m: None)
+    init = load_file(str(run / "_embedded" / "tiny-qwen2" / "model.safetensors"))
+    ra, rb = (load_file(str(run / name / "model.safetensors")) for name in ("rl_a", "rl_b"))
+    merged = load_file(str(run / "warp" / "model.safetensors"))
+    assert info["stages"]["warp"]["warp"]["linear_fallback_tensors"] == 0
+    for key in init:  # theta = init + eta * (sin(W/2)/sin W) (d_a + d_b), W the angle of d_a and d_b in this tensor
+        da, db = (ra[key] - init[key]).double().flatten(), (rb[key] - init[key]).double().flatten()
+        omega = torch.arccos(da @ db / (da.norm() * db.norm()))
+        expected = init[key].double().flatten() + 0.3 * torch.sin(omega / 2) / torch.sin(omega) * (da + db)
+        assert torch.allclose(merged[key].double().flatten(), expected, atol=1e-6, rtol=0), key
+    # the EMA anchor is TRL's per-step mix with mu = 0.01 (saved with each checkpoint):
+    # e_1 = 0.99 init + 0.01 theta_1, e_2 = 0.99 e_1 + 0.01 theta_2
+    ckpt = run / "rl_a" / "checkpoints"
+    theta = [load_file(str(ckpt / f"checkpoint-{s}" / "model.safetensors")) for s in (1, 2)]
+    anchor = load_file(str(ckpt / "checkpoint-2" / ANCHOR_FILE))
+    shared = anchor.keys() & theta[1].keys()
+    assert len(shared) > 10
+    for key in shared:
+        e1 = 0.99 * init[key].double() + 0.01 * theta[0][key].double()
+        assert torch.allclose(anchor[key].double(), 0.99 * e1 + 0.01 * theta[1][key].double(), atol=1e-7), key
+    assert not torch.equal(theta[1]["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
+    # a rerun (e.g. after a crash) skips every finished stage and leaves the merge as it was
+    before = (run / "warp" / "model.safetensors").read_bytes()
+    messages = []
+    run_recipe(recipe, run, _catalog(), echo=messages.append)
+    assert sum("already complete, skipping" in m for m in messages) == 3
+    assert (run / "warp" / "model.safetensors").read_bytes() == before
+    assert json.loads((run / "warp" / "stage.json").read_text())["summary"]["trainer"] == "merge"
