@@ -1,0 +1,206 @@
+"""``self_play``: a proposer rewarded for problems at the solver's 50% boundary; a solver trained on them with
+majority-vote pseudo-labels (R-Zero). The two roles alternate as stages of one recipe."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext.rewards import RewardFunction
+from trl_ext_plugins.rollout.control_math import (
+    in_informative_band,
+    learnability_reward,
+    majority_vote,
+    repetition_penalties,
+    uncertainty_reward,
+)
+
+
+def solver_rows(questions: list[str], answers: list[list[str]], delta: float) -> list[dict[str, Any]]:
+    """The solver's training rows: each problem with its majority-vote pseudo-label and ``p_hat``, kept only when
+    ``|p_hat - 1/2| <= delta`` (R-Zero's informative band) and some answer parsed."""
+    rows = []
+    for question, row in zip(questions, answers, strict=True):
+        label, p_hat = majority_vote(row)
+        if label is not None and in_informative_band(p_hat, delta):
+            rows.append({"prompt": question, "answer": label, "p_hat": p_hat})
+    return rows
+
+
+class SelfPlayParams(PluginParams):
+    role: Literal["proposer", "solver"] = Field(description="proposer: GRPO on problem generation, rewarded by the "
+                                                            "partner solver's uncertainty; solver: GRPO on problems the "
+                                                            "partner proposer generates, labelled by majority vote.")
+    partner: str = Field(description="The other role's model (stage:<name>, embedded:<name> or a path): the solver "
+                                     "that answers a proposer's problems, or the proposer that writes a solver's.")
+    samples: int = Field(10, ge=2, description="m: solver answers per problem (R-Zero: 10).")
+    delta: float = Field(0.25, ge=0.0, le=0.5, description="Solver filter band |p_hat - 1/2| <= delta (third-party "
+                                                           "R-Zero re-implementations keep 30-70%).")
+    proposer_reward: Literal["r_zero", "absolute_zero"] = Field(
+        "r_zero", description="r_zero: 1 - 2|p_hat - 1/2| minus the repetition penalty (the default); absolute_zero: "
+                              "1 - p_hat if 0 < p_hat < 1 else 0 (the learnability reward, with p_hat the majority "
+                              "agreement standing in for the solve rate).")
+    repetition_weight: float = Field(1.0, ge=0.0, description="Weight of the batch repetition penalty (r_zero).")
+    question_pattern: str = Field(r"^\s*\d+\s*[-+*]\s*\d+\s*=\s*$", description="Regex a well-formed problem must "
+                                  "match (format-invalid problems earn 0). Default: the embedded arithmetic format.")
+    answer_pattern: str = Field(r"-?\d+", description="Regex whose first match in a solver answer is the answer.")
+    prompt_is_prefix: bool = Field(True, description="The problem is prompt + completion (the proposer completes a "
+                                                     "prefix such as '12+'); false: the completion alone.")
+    num_questions: int = Field(256, ge=1, description="Solver role: problems generated (one per dataset prompt, "
+                                                      "cycling).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of generated problems and answers.")
+    question_max_new_tokens: int = Field(6, ge=1, description="Tokens per generated problem (solver role).")
+    answer_max_new_tokens: int = Field(6, ge=1, description="Tokens per solver answer.")
+    seed: int = Field(0, description="Seed of the sampling RNG.")
+
+    @model_validator(mode="after")
+    def _patterns_compile(self):
+        for name in ("question_pattern", "answer_pattern"):
+            try:
+                re.compile(getattr(self, name))
+            except re.error as exc:
+                raise ValueError(f"{name} is not a valid regular expression: {exc}") from None
+        return self
+
+
+class SelfPlay(Plugin):
+    """Self-play curriculum at the solver's 50% boundary: R-Zero (Huang et al. 2025, arXiv 2508.05004); Absolute
+    Zero's learnability reward as an option (Zhao et al. 2025, arXiv 2505.03335). ALGORITHMS.md item 50.
+
+    ``role: proposer`` adds one reward function, ``self_play``: each proposed problem (``prompt + completion`` by
+    default, so a proposer can complete a prefix such as ``12+``) that matches ``question_pattern`` is answered
+    ``samples`` times (m, default 10) by the ``partner`` solver; ``p_hat`` is the share agreeing with the majority
+    answer, and the reward is ``max(0, 1 - 2|p_hat - 1/2| - repetition_weight * |cluster| / batch)`` where clusters
+    are identical problems in the batch (R-Zero clusters by BLEU distance; exact duplicates are the special case for
+    short formal problems). A malformed problem earns 0. ``proposer_reward: absolute_zero`` uses ``1 - p_hat`` for
+    ``0 < p_hat < 1`` instead. Logged: ``self_play/agreement`` (mean p_hat of valid problems), ``self_play/valid``,
+    ``self_play/in_band`` (share of valid problems with |p_hat - 1/2| <= delta).
+
+    ``role: solver`` replaces the train split: ``num_questions`` problems are sampled from the ``partner`` proposer
+    (one per dataset prompt, cycling), well-formed ones are answered m times by the stage's own (starting) solver, the
+    majority answer becomes the ``answer`` column (the pseudo-label; a binary reward such as ``exact_match`` then
+    scores against it) and only problems with ``|p_hat - 1/2| <= delta`` (default 0.25) are kept; ``p_hat`` is added
+    as a column. Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1`` (partner: stage:proposer_1),
+    ``proposer_2`` (partner: stage:solver_1), ... in one recipe (see configs/self_play.yaml).
+
+    Conventions chosen: answers are the first ``answer_pattern`` match of a completion (empty when none: it counts in
+    p_hat's denominator but never wins the vote); ties in the vote go to the answer seen first; sampling draws from the
+    full distribution at ``temperature`` with a fixed ``seed`` (forked RNG). The solver model is loaded once per stage
+    on the proposer's device (main memory on CPU). Not implemented: BLEU clustering and R-Zero's format tags.
+    """
+
+    name = "self_play"
+    family = "rollout"
+    trainers = frozenset({"grpo"})
+    Params = SelfPlayParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self._partner = None
+        self.history: list[dict[str, float]] = []
+
+    def _partner_model(self):
+        if self._partner is None:
+            from trl_ext_plugins.preference.generation import load_policy, resolve_model
+
+            self._partner = load_policy(resolve_model(self.params.partner, self.name))
+        return self._partner
+
+    def answers(self, model, tokenizer, questions: list[str], seed: int) -> list[list[str]]:
+        """m parsed answers per question."""
+        from trl_ext_plugins.preference.generation import sample_completions
+
+        texts = sample_completions(model, tokenizer, questions, num_samples=self.params.samples,
+                                   max_new_tokens=self.params.answer_max_new_tokens, do_sample=True,
+                                   temperature=self.params.temperature, seed=seed)
+        pattern = re.compile(self.params.answer_pattern)
+        special = re.compile(r"<[a-z]+>")
+        out = []
+        for row in texts:
+            parsed = []
+            for text in row:
+                match = pattern.search(special.sub("", text))
+                parsed.append(match.group() if match else "")
+            out.append(parsed)
+        return out
+
+    # -- proposer ---------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_reward_functions(self, stage):
+        if self.params.role != "proposer":
+            return None
+        return [RewardFunction(self.name, self._proposer_reward)]
+
+    def question_text(self, prompt: Any, completion: Any) -> str:
+        from trl_ext_plugins.preference.generation import completion_text
+
+        text = re.sub(r"<[a-z]+>", "", completion_text(completion))
+        return (completion_text(prompt) + text) if self.params.prompt_is_prefix else text
+
+    def _proposer_reward(self, prompts, completions, log_metric=None, trainer_state=None, **kwargs):
+        p = self.params
+        questions = [self.question_text(x, c) for x, c in zip(prompts, completions, strict=True)]
+        pattern = re.compile(p.question_pattern)
+        valid = [i for i, q in enumerate(questions) if pattern.match(q)]
+        rewards = [0.0] * len(questions)
+        if valid:
+            model, tokenizer = self._partner_model()
+            step = trainer_state.global_step if trainer_state is not None else 0
+            votes = [majority_vote(a) for a in self.answers(model, tokenizer, [questions[i] for i in valid],
+                                                                seed=p.seed + step)]
+            penalties = repetition_penalties([questions[i] for i in valid])
+            for i, (_, p_hat), penalty in zip(valid, votes, penalties, strict=True):
+                rewards[i] = self.proposer_reward(p_hat, penalty)
+            p_hats = [v[1] for v in votes]
+            record = {"self_play/agreement": sum(p_hats) / len(p_hats),
+                      "self_play/in_band": sum(in_informative_band(x, p.delta) for x in p_hats) / len(p_hats),
+                      "self_play/valid": len(valid) / len(questions)}
+        else:
+            record = {"self_play/valid": 0.0}
+        self.history.append(record)
+        if log_metric is not None:
+            for key, value in record.items():
+                log_metric(key, value)
+        return rewards
+
+    def proposer_reward(self, p_hat: float, penalty: float) -> float:
+        if self.params.proposer_reward == "absolute_zero":
+            return learnability_reward(p_hat)
+        return max(0.0, uncertainty_reward(p_hat) - self.params.repetition_weight * penalty)
+
+    # -- solver -----------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_prepare_dataset(self, dataset, split, stage):
+        if self.params.role != "solver" or split != "train":
+            return None
+        from datasets import Dataset
+
+        from trl_ext_plugins.preference.generation import load_policy, resolve_model, sample_completions
+
+        p = self.params
+        if len(dataset) == 0:
+            raise ValueError(f"plugin {self.name!r}: the train dataset (the proposer's prompts) has no rows")
+        prompts = [dataset[i % len(dataset)]["prompt"] for i in range(p.num_questions)]
+        proposer, proposer_tokenizer = self._partner_model()
+        completions = [row[0] for row in sample_completions(
+            proposer, proposer_tokenizer, prompts, num_samples=1, max_new_tokens=p.question_max_new_tokens,
+            do_sample=True, temperature=p.temperature, seed=p.seed)]
+        pattern = re.compile(p.question_pattern)
+        questions = [q for q in (self.question_text(x, c) for x, c in zip(prompts, completions, strict=True))
+                     if pattern.match(q)]
+        if not questions:
+            raise ValueError(f"plugin {self.name!r}: the proposer {p.partner!r} wrote no well-formed problem in "
+                             f"{p.num_questions} tries (question_pattern {p.question_pattern!r})")
+        solver, solver_tokenizer = load_policy(resolve_model(stage.model, self.name))
+        rows = solver_rows(questions, self.answers(solver, solver_tokenizer, questions, seed=p.seed + 1), p.delta)
+        record = {"self_play/generated": len(prompts), "self_play/valid": len(questions), "self_play/kept": len(rows)}
+        self.history.append(record)
+        if not rows:
+            raise ValueError(f"plugin {self.name!r}: none of {len(questions)} well-formed problems lies in the band "
+                             f"|p_hat - 1/2| <= {p.delta}; widen delta or sample more")
+        return Dataset.from_list(rows)

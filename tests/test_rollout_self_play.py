@@ -1,0 +1,122 @@
+"""``self_play`` (ALGORITHMS.md item 50): R-Zero's uncertainty reward and Absolute Zero's learnability reward by hand,
+majority vote, repetition penalty and the informative band; the proposer reward of a batch with a stand-in solver;
+the solver's pseudo-labelled, band-filtered rows; the proposal dataset; bad parameters refused at validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import StageSpec
+from trl_ext.stage import resolve_stage
+from trl_ext_plugins.rollout.control_math import (
+    in_informative_band,
+    learnability_reward,
+    majority_vote,
+    repetition_penalties,
+    uncertainty_reward,
+)
+from trl_ext_plugins.rollout.datasets import arithmetic_proposals
+from trl_ext_plugins.rollout.self_play import SelfPlay, solver_rows
+
+
+def test_item_50_rewards_by_hand():
+    assert uncertainty_reward(0.5) == 1.0
+    assert uncertainty_reward(0.9) == pytest.approx(0.2)  # 1 - 2 * 0.4
+    assert uncertainty_reward(0.0) == 0.0 and uncertainty_reward(1.0) == 0.0
+    assert learnability_reward(0.25) == 0.75
+    assert learnability_reward(1.0) == 0.0 and learnability_reward(0.0) == 0.0
+
+
+def test_majority_vote_band_and_repetition():
+    assert majority_vote(["3", "3", "4", ""]) == ("3", 0.5)  # the unparsed answer counts in the denominator
+    assert majority_vote(["4", "3", "3", "4"]) == ("4", 0.5)  # tie: the answer seen first
+    assert majority_vote(["", ""]) == (None, 0.0)
+    assert in_informative_band(0.7, 0.2) and in_informative_band(0.3, 0.2) and not in_informative_band(0.75, 0.2)
+    assert repetition_penalties(["1+2=", "1+2=", "3+4=", "5 + 5="]) == [0.5, 0.5, 0.25, 0.25]
+
+
+def test_solver_rows_keep_the_band_with_majority_labels():
+    questions = ["1+2=", "2+2=", "9*9=", "5-7="]
+    answers = [["3"] * 9 + ["4"],            # p_hat 0.9: too easy, dropped
+               ["4"] * 5 + ["5"] * 5,        # p_hat 0.5: kept, label "4" (seen first)
+               ["81", "80", "18", "81", "1", "", "81", "8", "2", "0"],  # 0.3: kept (|0.3 - 0.5| <= 0.25)
+               [""] * 10]                    # nothing parsed: dropped
+    assert solver_rows(questions, answers, delta=0.25) == [
+        {"prompt": "2+2=", "answer": "4", "p_hat": 0.5},
+        {"prompt": "9*9=", "answer": "81", "p_hat": 0.3},
+    ]
+
+
+class StandInSolver(SelfPlay):
+    """The proposer's reward with a scripted solver: answers come from a table instead of a model."""
+
+    table: dict[str, list[str]] = {}
+
+    def _partner_model(self):
+        return None, None
+
+    def answers(self, model, tokenizer, questions, seed):
+        return [self.table[q] for q in questions]
+
+
+def test_proposer_reward_of_a_batch():
+    plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", samples=10))
+    plugin.table = {"1+2=": ["3"] * 5 + ["4"] * 5,   # p_hat 0.5 -> r_unc 1
+                    "7+8=": ["15"] * 9 + ["16"],     # p_hat 0.9 -> r_unc 0.2
+                    "3+3=": ["6"] * 10}              # p_hat 1.0 -> 0
+    prompts = ["1+", "1+", "7+", "3+", "4+"]
+    completions = ["2=", "2=<eos>", "8=", "3=", "x"]  # "4+x" is malformed
+    logged = {}
+    rewards = plugin._proposer_reward(prompts, completions, log_metric=logged.__setitem__)
+    # valid batch of 4: "1+2=" twice (penalty 2/4), "7+8=" and "3+3=" once (1/4)
+    assert rewards == pytest.approx([1 - 0.5, 1 - 0.5, max(0.0, 0.2 - 0.25), 0.0, 0.0])
+    assert logged["self_play/valid"] == pytest.approx(0.8)
+    assert logged["self_play/agreement"] == pytest.approx((0.5 + 0.5 + 0.9 + 1.0) / 4)
+    assert logged["self_play/in_band"] == pytest.approx(0.5)  # the two 0.5s
+    az = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", proposer_reward="absolute_zero"))
+    az.table = plugin.table
+    assert az._proposer_reward(prompts, completions) == pytest.approx([0.5, 0.5, 0.1, 0.0, 0.0])
+    solver = SelfPlay(SelfPlay.Params(role="solver", partner="unused"))
+    assert solver.trl_ext_reward_functions(stage=None) is None  # the solver's reward is exact_match on the labels
+
+
+def test_proposal_dataset():
+    rows = arithmetic_proposals("train", format="prompt_completion", size=4)
+    assert all(r["prompt"].endswith("+") and r["completion"].endswith("=<eos>") for r in rows)
+    from trl_ext.embedded.arithmetic import arithmetic_dataset
+
+    assert [r["prompt"] + r["completion"][:-5] for r in rows] == arithmetic_dataset("train", "prompt", size=4)["prompt"]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"role": "proposer"}, "params.partner: Field required"),
+    ({"role": "judge", "partner": "x"}, "params.role"),
+    ({"role": "solver", "partner": "x", "delta": 0.7}, "params.delta"),
+    ({"role": "solver", "partner": "x", "question_pattern": "("}, "question_pattern is not a valid regular expression"),
+])
+def test_bad_parameters_are_refused(trl_ext_catalog, register_plugin, params, message):
+    register_plugin(SelfPlay)
+    stage = StageSpec(trainer="grpo", model="m", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"self_play": params}])
+    with pytest.raises(RecipeError) as err:
+        resolve_stage(stage, 0, trl_ext_catalog)
+    assert message in str(err.value) and "self_play" in str(err.value)
+
+
+def test_solver_dataset_from_real_models(tiny_model_dir):
+    """Plumbing on the untrained tiny models: loose patterns so its random text counts as problems and answers."""
+    plugin = SelfPlay(SelfPlay.Params(role="solver", partner=tiny_model_dir, num_questions=12, samples=4, delta=0.5,
+                                      question_pattern=r"^\d+\+.+", answer_pattern=r"\S"))
+    stage = StageSpec(trainer="grpo", model=tiny_model_dir, dataset={"source": "embedded:arithmetic_proposals"})
+    prompts = arithmetic_proposals("train", size=5)
+    rows = plugin.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)
+    assert 0 < len(rows) <= 12 and set(rows.column_names) == {"prompt", "answer", "p_hat"}
+    assert all(r["prompt"].split("+")[0] + "+" in prompts["prompt"] for r in rows)  # prompt + proposed completion
+    assert all(r["p_hat"] in (0.25, 0.5, 0.75, 1.0) for r in rows)  # m = 4 answers
+    assert plugin.history[-1]["self_play/generated"] == 12
+    assert plugin.trl_ext_prepare_dataset(dataset=prompts, split="eval", stage=stage) is None
+
+    strict = SelfPlay(SelfPlay.Params(role="solver", partner=tiny_model_dir, num_questions=4, samples=2))
+    with pytest.raises(ValueError, match="wrote no well-formed problem in 4 tries"):
+        strict.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)
