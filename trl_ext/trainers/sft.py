@@ -1,32 +1,36 @@
 """SFT trainer: TRL's ``SFTTrainer`` with the loss-aggregation seam.
 
 When a plugin implements ``trl_ext_aggregate_loss`` (for example ``sft`` with ``normalization: sequence``) the
-per-token NLL is computed from the logits and reduced by the plugin; a plugin returning ``None`` (``sft`` with the
+per-token NLL comes from TRL's fused LM head (no full logits) and is reduced by the plugin; a plugin returning ``None`` (``sft`` with the
 default token normalisation) leaves TRL's fused-head path untouched.
 
-TRL 1.16 internals relied on: ``SFTTrainer.compute_loss(model, inputs, return_outputs, num_items_in_batch)`` and the
-collator's ``labels`` (-100 on positions that do not count).
+TRL 1.16 internals relied on: ``SFTTrainer.compute_loss(model, inputs, return_outputs, num_items_in_batch)``, the
+collator's ``labels`` (-100 on positions that do not count) and the fused head ``add_fused_lm_head`` puts on the model
+(``model(..., fused_lm_head=True)`` returns ``log_probs`` and ``label_mask`` aligned with the shifted labels).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from trl import SFTTrainer
 
 from trl_ext.batches import AggregationContext
 from trl_ext.trainers.base import HostMixin
 
 
-def shifted_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token NLL of next-token prediction and its mask, both (B, T-1); ignored labels (-100) get 0 loss."""
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    mask = labels != -100
-    nll = F.cross_entropy(logits.transpose(1, 2), labels.masked_fill(~mask, 0), reduction="none")
-    return nll * mask, mask.to(nll.dtype)
-
-
 class ExtSFTTrainer(HostMixin, SFTTrainer):
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        # TRL counts `num_tokens` in the trainer, not in the checkpoint: a resumed run would count from 0 again. The
+        # checkpoint's log history holds the count at its last logged step.
+        if isinstance(resume_from_checkpoint, str):
+            import json
+            from pathlib import Path
+
+            history = json.loads((Path(resume_from_checkpoint) / "trainer_state.json").read_text()).get("log_history", [])
+            counts = [row["num_tokens"] for row in history if "num_tokens" in row]
+            if counts:
+                self._total_train_tokens = counts[-1]
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
     def __init__(self, *args, plugin_host, **kwargs):
         self._init_host(plugin_host)
         super().__init__(*args, **kwargs)
@@ -34,9 +38,10 @@ class ExtSFTTrainer(HostMixin, SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs or not self.plugin_host.implements("trl_ext_aggregate_loss"):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        model_inputs["use_cache"] = False
-        per_token_nll, mask = shifted_token_nll(model(**model_inputs).logits, inputs["labels"])
+        # TRL's fused LM head (added to every SFT model): per-token log-probs of the shifted labels, computed in tiles,
+        # so neither the (B, T, V) logits nor a float32 copy of them is built. Zero where the label is ignored.
+        outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
+        per_token_nll, mask = -outputs.log_probs, outputs.label_mask.to(outputs.log_probs.dtype)
         training = self.model.training
         ctx = AggregationContext(
             num_items_in_batch=num_items_in_batch if num_items_in_batch is not None else mask.sum(),

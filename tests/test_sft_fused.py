@@ -1,0 +1,55 @@
+"""The SFT aggregation seam keeps TRL's fused LM head: same loss as from full logits, no (B, T, V) tensor built."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trl_ext.host import PluginHost
+from trl_ext_plugins.trainers.sft import SFT, SFTParams
+from tests.test_parity import _build
+
+
+class LargestVocabTensor(TorchDispatchMode):
+    """Records the most rows of any vocabulary-wide tensor (last dimension = vocabulary) an operator produced."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == self.vocab:
+                self.rows = max(self.rows, tensor.numel() // self.vocab)
+        return out
+
+
+def _batch(trainer):
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_sequence_normalisation_equals_the_formula_from_full_logits_without_building_them(tiny_model_dir, tmp_path,
+                                                                                          monkeypatch):
+    import trl.trainer.utils
+
+    chunk = 16  # vocabulary columns per tile of TRL's chunked log-prob head: fewer than the vocabulary
+    monkeypatch.setattr(trl.trainer.utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", chunk)
+    trainer = _build("sft", tiny_model_dir, tmp_path, None, PluginHost([SFT(SFTParams(normalization="sequence"))]), {})
+    inputs = _batch(trainer)
+    model = trainer.model
+    with torch.no_grad():
+        with LargestVocabTensor(model.config.vocab_size) as probe:
+            loss = trainer.compute_loss(model, dict(inputs))
+        with LargestVocabTensor(model.config.vocab_size) as unfused:  # the probe sees a plain forward's logits
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask")).logits
+    # Reference, independent of the fused head: per-sequence mean NLL of the shifted labels, then the batch mean.
+    labels = inputs["labels"][:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels.clamp(min=0), reduction="none")
+    counted = labels != -100
+    per_sequence = torch.where(counted, nll, 0.0).sum(-1) / counted.sum(-1).clamp(min=1)
+    expected = per_sequence[counted.any(-1)].mean()
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6), (loss.item(), expected.item())
+    assert model.config.vocab_size > chunk and unfused.rows >= inputs["input_ids"].numel()
+    assert probe.rows == 0  # the fused head scored vocabulary tiles: no tensor as wide as the vocabulary existed
