@@ -46,6 +46,8 @@ StdoutMatch = Literal["lines", "tokens", "exact"]
 class TestFormatError(ValueError):
     """A test that is neither a function-call nor a stdin/stdout test."""
 
+    __test__ = False  # not a pytest test class
+
 
 @dataclass(frozen=True)
 class CallTest:

@@ -79,14 +79,20 @@ def run_tests(code: str, tests: tuple[Test, ...], params: UnitTestsParams) -> li
 
 def score_candidates(codes: list[str], tests: list[tuple[Test, ...] | None], params: UnitTestsParams,
                      ) -> list[list[str] | None]:
-    """Verdicts per test for each candidate, ``max_workers`` sandboxes at a time (None where a row has no tests)."""
-    workers = params.max_workers or os.cpu_count() or 1
+    """Verdicts per test for each candidate, ``max_workers`` sandboxes at a time (None where a row has no tests).
 
-    def one(i: int) -> list[str] | None:
-        return run_tests(codes[i], tests[i], params) if tests[i] else None
+    Identical (code, tests) pairs of one batch run once (a group of samples often repeats a completion); each distinct
+    pair still gets a fresh sandbox of its own.
+    """
+    workers = params.max_workers or os.cpu_count() or 1
+    distinct = list(dict.fromkeys((code, t) for code, t in zip(codes, tests) if t))
+
+    def one(pair) -> list[str]:
+        return run_tests(pair[0], pair[1], params)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, range(len(codes))))
+        verdicts = dict(zip(distinct, pool.map(one, distinct)))
+    return [verdicts[(code, t)] if t else None for code, t in zip(codes, tests)]
 
 
 def verdict_metrics(name: str, all_verdicts: list[list[str] | None]) -> dict[str, float]:

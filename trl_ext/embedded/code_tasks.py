@@ -1,0 +1,74 @@
+"""Embedded code task: write a tiny Python function or program for a linear formula (``x*4+7``).
+
+Every problem is a pair (a, b) with 1 <= a <= max_a and 0 <= b <= max_b, in one of two styles that exercise the two
+test formats of the ``unit_tests`` reward:
+
+* ``call``: prompt ``"call x*4+7:"``, reference ``"def f(x):\\n return x*4+7\\n"``; hidden tests are
+  ``assert f(x) == y`` lines (function-call tests) for x in ``TEST_INPUTS``;
+* ``stdio``: prompt ``"stdio x*4+7:"``, reference ``"print(int(input())*4+7)\\n"``; hidden tests are stdin/stdout
+  pairs for the same inputs.
+
+The task is deliberately simple (the formula is in the prompt) so that the embedded character-level model can learn
+it on two CPU cores in minutes; what the model must get right is the program around the formula and the copy of it.
+Everything uses only characters of the embedded tokenizer's alphabet. A seeded shuffle puts ``test_size`` problems in
+the test split and the rest in train, so held-out problems never appear in training; every call with the same
+arguments returns the same rows. ``tests`` is JSON text (Arrow columns cannot mix value types across rows).
+"""
+
+import json
+import random
+
+from datasets import Dataset
+
+from trl_ext.embedded.tokenizer import EOS_TOKEN
+
+FORMATS = ("prompt_completion", "prompt")
+STYLES = ("call", "stdio")
+TEST_INPUTS = (0, 1, 5)
+
+
+def _problems(split: str, seed: int, max_a: int, max_b: int, test_size: int) -> list[tuple[str, int, int]]:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    problems = [(style, a, b) for style in STYLES for a in range(1, max_a + 1) for b in range(max_b + 1)]
+    if not 0 < test_size < len(problems):
+        raise ValueError(f"test_size must be between 1 and {len(problems) - 1}, got {test_size}")
+    random.Random(seed).shuffle(problems)
+    return problems[:test_size] if split == "test" else problems[test_size:]
+
+
+def reference_solution(style: str, a: int, b: int) -> str:
+    if style == "call":
+        return f"def f(x):\n return x*{a}+{b}\n"
+    return f"print(int(input())*{a}+{b})\n"
+
+
+def hidden_tests(style: str, a: int, b: int) -> str:
+    """JSON text of the row's tests: assert lines (function-call) or stdin/stdout pairs."""
+    if style == "call":
+        return json.dumps([f"assert f({x}) == {a * x + b}" for x in TEST_INPUTS])
+    return json.dumps([{"stdin": f"{x}\n", "stdout": f"{a * x + b}\n"} for x in TEST_INPUTS])
+
+
+def code_tasks_dataset(split: str = "train", format: str = "prompt", seed: int = 0, max_a: int = 9, max_b: int = 19,
+                       test_size: int = 60, size: int | None = None) -> Dataset:
+    """The `split` of the code task in a TRL dataset `format`.
+
+    - "prompt_completion": prompt, completion (reference program + eos), tests; for SFTTrainer.
+    - "prompt": prompt, tests; for GRPOTrainer / RLOOTrainer with the ``unit_tests`` reward.
+    `size` keeps the first `size` problems of the (shuffled) split.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    problems = _problems(split, seed, max_a, max_b, test_size)
+    if size is not None:
+        if size > len(problems):
+            raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
+        problems = problems[:size]
+    rows = []
+    for style, a, b in problems:
+        row = {"prompt": f"{style} x*{a}+{b}:\n", "tests": hidden_tests(style, a, b)}
+        if format == "prompt_completion":
+            row["completion"] = reference_solution(style, a, b) + EOS_TOKEN
+        rows.append(row)
+    return Dataset.from_list(rows)
