@@ -32,3 +32,6 @@ def trl_ext_register_datasets(register):
 
     for name, build in EMBEDDED_DATASETS.items():
         register(name, build)
+    from trl_ext.embedded.code_tasks import code_tasks_dataset
+
+    register("code_tasks", code_tasks_dataset)
