@@ -49,6 +49,65 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, normalize: bool = Fa
     return torch.nan_to_num(advantages, nan=0.0)
 
 
+def _group_std(grouped: torch.Tensor, valid: torch.Tensor, std: str) -> torch.Tensor:
+    """Per-row std of each group's scorable rewards: ``sample`` (N-1), ``population`` (N), or ``leave_one_out`` (the
+    sample std of the *other* scorable rows of the group). Undefined stds (too few rows) are 0."""
+    zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
+    if std == "leave_one_out":
+        g = grouped.shape[1]
+        others = valid.unsqueeze(1) & ~torch.eye(g, dtype=torch.bool, device=grouped.device)  # (groups, row, other)
+        values = grouped.unsqueeze(1).expand(-1, g, -1)
+        count = others.sum(-1)
+        mean = torch.where(others, values, zero).sum(-1) / count.clamp(min=1)
+        squares = torch.where(others, (values - mean.unsqueeze(-1)) ** 2, zero).sum(-1)
+        return torch.sqrt(squares / (count - 1).clamp(min=1))
+    count = valid.sum(-1, keepdim=True)
+    mean = torch.where(valid, grouped, zero).sum(-1, keepdim=True) / count.clamp(min=1)
+    squares = torch.where(valid, (grouped - mean) ** 2, zero).sum(-1, keepdim=True)
+    dof = count - 1 if std == "sample" else count
+    return torch.sqrt(squares / dof.clamp(min=1)).expand_as(grouped)
+
+
+GROUP_STDS = ("sample", "population", "leave_one_out")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "sample",
+                     baseline: str = "mean", eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages ``(R - b) / (s + eps)`` (GRPO, arXiv 2402.03300), every peer convention a switch.
+
+    ``baseline``: ``mean`` (the group mean, GRPO/TRL/verl) or ``leave_one_out`` (the mean of the other rows, RLOO-style).
+    ``scale``: ``group`` (s = the group's std; TRL ``scale_rewards="group"``, verl), ``batch`` (s = the std of the
+    whole gathered batch, centre still per group; TRL ``scale_rewards="batch"``), ``none`` (no division; Dr. GRPO).
+    ``std``: ``sample`` (unbiased N-1, torch.std: TRL, verl), ``population`` (N), ``leave_one_out`` (the sample std of
+    the other rows; group scale only). ``eps``: added to s (TRL 1e-4, verl 1e-6). ALGORITHMS.md convention 1:
+    rewards [1, 0, 0, 0] give 1.5 (sample std) vs 1.732 (population) for the top row with eps 0.
+    Unscorable rows (NaN) are left out of every statistic and get 0; a zero-variance group gives 0 for every row.
+    """
+    grouped = _grouped(rewards, group_size)
+    valid = ~torch.isnan(grouped)
+    zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
+    filled = torch.where(valid, grouped, zero)
+    count = valid.sum(-1, keepdim=True)
+    total = filled.sum(-1, keepdim=True)
+    if baseline == "mean":
+        centre = total / count.clamp(min=1)
+    elif baseline == "leave_one_out":
+        centre = (total - filled) / (count - 1).clamp(min=1)
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}; choose mean or leave_one_out")
+    out = grouped - centre
+    if scale == "group":
+        out = out / (_group_std(grouped, valid, std) + eps)
+    elif scale == "batch":
+        if std == "leave_one_out":
+            raise ValueError("std: leave_one_out needs scale: group")
+        flat, flat_valid = grouped.reshape(1, -1), valid.reshape(1, -1)
+        out = out / (_group_std(flat, flat_valid, std).reshape(grouped.shape) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}; choose group, batch or none")
+    return torch.where(valid, out, zero).reshape(-1)
+
+
 def group_mean_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per-prompt mean reward (scorable rows only), repeated for each row of the group."""
     return torch.nanmean(_grouped(rewards, group_size), dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
@@ -82,24 +141,15 @@ def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor, group_
 # -- token-level pieces ----------------------------------------------------------------------------------------------
 
 
-def _k1(d: torch.Tensor) -> torch.Tensor:
-    return d
-
-
-def _k2(d: torch.Tensor) -> torch.Tensor:
-    return 0.5 * d * d
-
-
-def _k3(d: torch.Tensor) -> torch.Tensor:
-    return torch.exp(-d) - 1 + d
-
-
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs; ``estimator`` in ``KL_ESTIMATORS``."""
-    return KL_ESTIMATORS[estimator](logps - ref_logps)
+    """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs; ``estimator`` in ``KL_ESTIMATORS``
+    (:func:`trl_ext.ops.kl_estimate`: k3's exponent is clamped to +-20, so extreme log-ratios stay finite)."""
+    from trl_ext import ops
+
+    return ops.kl_estimate(logps, ref_logps, estimator)
 
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:

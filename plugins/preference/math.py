@@ -35,9 +35,15 @@ def simpo_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tenso
     return -F.logsigmoid(beta * (chosen_mean_logps - rejected_mean_logps) - gamma)
 
 
+LOG_ODDS_MAX_LOGP = -1e-6  # log P is capped here inside log(1 - P): P = 1 exactly would give infinite odds
+
+
 def log_odds(mean_logps: torch.Tensor) -> torch.Tensor:
-    """``log(P / (1 - P))`` for ``P = exp(mean_logps)`` (ORPO's length-normalised odds), stable for ``P`` near 1."""
-    return mean_logps - torch.log(-torch.expm1(mean_logps))
+    """``log(P / (1 - P))`` for ``P = exp(mean_logps)`` (ORPO's length-normalised odds), stable for ``P`` near 1.
+
+    ``log(1 - P)`` uses ``min(log P, -1e-6)`` (documented clamp), so a log-prob of exactly 0 (P = 1) gives a large
+    finite odds (about 13.8 + log P) instead of inf/NaN; below the cap the value is exact."""
+    return mean_logps - torch.log(-torch.expm1(mean_logps.clamp(max=LOG_ODDS_MAX_LOGP)))
 
 
 def orpo_odds_ratio_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor) -> torch.Tensor:
