@@ -33,8 +33,24 @@ def run_cli(capsys, *argv):
     return code, out.out, out.err
 
 
+def _missing_modules(config: Path) -> list[str]:
+    """Modules a recipe's header declares (`# Needs modules: a, b`) that are not installed."""
+    import importlib.util
+
+    for line in config.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if line.startswith("# Needs modules:"):
+            names = [n.strip() for n in line.split(":", 1)[1].split(",") if n.strip()]
+            return [n for n in names if importlib.util.find_spec(n) is None]
+    return []
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_every_shipped_config_validates(config, capsys):
+    missing = _missing_modules(config)
+    if missing:  # .ci/run's slow step installs them and validates these recipes there
+        pytest.skip(f"{config.name} declares optional modules that are not installed: {', '.join(missing)}")
     code, out, err = run_cli(capsys, "validate", str(config))
     assert code == 0, err
     assert "valid" in out
@@ -107,12 +123,13 @@ def test_conflicting_plugins_named_both(tmp_path, capsys, monkeypatch):
 
     original = Catalog.discover
 
-    def discover(cls=Catalog, autoload=None):
-        catalog = original(autoload)
+    def discover(cls=Catalog, autoload=None, **kwargs):
+        catalog = original(autoload, **kwargs)
         catalog.add_plugin(OtherObjective)
         return catalog
 
-    monkeypatch.setattr(Catalog, "discover", classmethod(lambda cls, autoload=None: discover(cls, autoload)))
+    monkeypatch.setattr(Catalog, "discover",
+                        classmethod(lambda cls, autoload=None, **kwargs: discover(cls, autoload, **kwargs)))
     data = {**BASE, "trainer": "grpo", "plugins": ["grpo", "other_objective", "exact_match"]}
     code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
     assert code == 2

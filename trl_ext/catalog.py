@@ -10,6 +10,11 @@ Environment variables (comma-separated entry-point or distribution names):
 * ``TRL_EXT_PLUGINS_BLOCK``: block-list; these entry points are never loaded (wins over the allow-list);
 * ``TRL_EXT_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point except ``builtins`` (tests and embedding use this and
   register what they need by hand).
+
+The command line adds ``trl-ext -p no:NAME`` (repeatable, as pytest's ``-p no:``), which blocks one entry point or
+distribution for that command. An entry point whose import or registration raises anything (``SystemExit`` and other
+``BaseException``s included; only ``KeyboardInterrupt`` propagates) is recorded in :attr:`Catalog.failures`, naming
+its distribution and entry point, with nothing it registered kept; the other plugins load normally.
 """
 
 from __future__ import annotations
@@ -73,13 +78,15 @@ class Catalog:
     # -- discovery ---------------------------------------------------------------------------------------------
 
     @classmethod
-    def discover(cls, autoload: bool | None = None) -> "Catalog":
-        """Load every allowed entry point of the ``trl_ext`` group and let each register what it provides."""
+    def discover(cls, autoload: bool | None = None, block: set[str] | frozenset[str] = frozenset()) -> "Catalog":
+        """Load every allowed entry point of the ``trl_ext`` group and let each register what it provides.
+
+        ``block``: entry-point or distribution names not to load, on top of ``TRL_EXT_PLUGINS_BLOCK``."""
         catalog = cls()
         if autoload is None:
             autoload = os.environ.get(ENV_DISABLE_AUTOLOAD, "") not in ("1", "true", "yes")
         allow = _env_names(ENV_ALLOW)
-        block = _env_names(ENV_BLOCK) or set()
+        block = (_env_names(ENV_BLOCK) or set()) | set(block)
         for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name != ALWAYS_LOADED):
             dist_name = ep.dist.name if ep.dist is not None else "?"
             if ep.name != ALWAYS_LOADED:
@@ -94,16 +101,24 @@ class Catalog:
         dist = ep.dist
         dist_name = dist.name if dist is not None else "?"
         version = dist.version if dist is not None else "?"
+        # A broken plugin must not break runs that do not select it: whatever its import or its registration hooks
+        # raise (sys.exit() included) is recorded, and what it registered before failing is dropped.
         try:
             obj = ep.load()
-        except Exception as exc:  # a broken plugin must not break runs that do not select it
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
             self.failures.append(LoadFailure(ep.name, dist_name, _short_error(exc)))
             return
+        snapshot = (dict(self.plugins), dict(self.aliases), dict(self.models), dict(self.datasets))
         try:
             self.add_source(obj, source=ep.name, distribution=dist_name, version=version)
         except PluginConflictError:
             raise  # a name clash is the installer's problem to fix, named on both sides; never silently resolved
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            self.plugins, self.aliases, self.models, self.datasets = snapshot
             self.failures.append(LoadFailure(ep.name, dist_name, _short_error(exc)))
 
     def add_source(self, obj: Any, source: str = "<manual>", distribution: str = "<manual>", version: str = "0") -> None:

@@ -79,7 +79,8 @@ def cmd_validate(ns) -> int:
     from trl_ext.runner import preflight
 
     recipe = _load_recipe(ns.recipe, ns.set, ns.trl)
-    resolved = preflight(recipe, _catalog(ns), _output_dir(ns, recipe), max_steps=ns.max_steps)
+    resolved = preflight(recipe, _catalog(ns), _output_dir(ns, recipe), max_steps=ns.max_steps,
+                         warn=lambda message: print(f"warning: {message}", file=sys.stderr))
     for rs in resolved:
         print(f"stage {rs.spec.name!r}: trainer={rs.spec.trainer} plugins={rs.host.names() or 'none'}")
     print(f"{ns.recipe}: valid")

@@ -7,11 +7,18 @@ Output directory layout::
     DIR/<stage>/metrics.jsonl    one JSON object per logged step (TRL's log keys plus "step")
     DIR/<stage>/eval.json        held-out evaluation before and after the stage (when the stage has `evaluation`)
     DIR/<stage>/stage.json       written last: marks the stage complete, with the fingerprint it was run with
-    DIR/<stage>/checkpoints/     TRL/HF checkpoints; an interrupted stage resumes from the newest one
+    DIR/<stage>/started.json     written first: the fingerprint an unfinished stage was started with
+    DIR/<stage>/checkpoints/     TRL/HF checkpoints; an interrupted stage resumes from the newest complete one
     DIR/_embedded/<name>/        embedded models materialized for this run
     DIR/curves.png               loss and reward curves of all stages
+    DIR/.trl-ext.lock            PID and host of the run using DIR (one run per output directory)
 
-Every JSON file is written atomically (temp file + rename), so an interrupted run never leaves a half-written file.
+Crash safety (a run killed at any instant, rerun with the same command, ends as if never interrupted): every JSON
+file is written atomically (temp file + rename); a checkpoint counts only once its completion marker is written
+(trl_ext/callbacks.py), newer incomplete ones are removed with a message; the last step is always checkpointed and
+the final model is written to a temporary folder and moved into place, so an interrupted final save resumes at the
+last step and trains nothing again; metrics.jsonl is repaired on resume (torn last line, rows after the checkpoint);
+an unfinished stage continues only under the recipe fingerprint it was started with.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import gc
 import hashlib
 import json
 import os
+import shutil
+import socket
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -27,16 +36,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trl_ext.errors import OutputDirError, RecipeError
-from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec
-from trl_ext.stage import ResolvedStage, resolve_stage
+from trl_ext.faults import crash_point
+from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, validate_recipe
+from trl_ext.stage import ResolvedStage, build_peft_config, evaluation_reward_plugins, resolve_stage  # noqa: F401
 
 COMPLETE_MARKER = "stage.json"
+STARTED_MARKER = "started.json"
+LOCK_FILE = ".trl-ext.lock"
+FINAL_TMP = ".final-save"
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
+    crash_point(f"write:{path.name}")
     os.replace(tmp, path)
 
 
@@ -45,6 +59,8 @@ def resolve_recipe(recipe: Recipe, catalog, max_steps: int | None = None) -> lis
     backend_errors = check_distributed(recipe)
     if backend_errors:  # the stages' configs cannot even be built without the backend
         raise RecipeError(backend_errors)
+    if max_steps is not None and max_steps < 1:
+        raise RecipeError(f"--max-steps: must be >= 1 (got {max_steps})")
     resolved, errors = [], []
     recipe = with_backend_args(recipe)
     for index, stage in enumerate(recipe.stages):
@@ -52,12 +68,52 @@ def resolve_recipe(recipe: Recipe, catalog, max_steps: int | None = None) -> lis
             resolved.append(resolve_stage(stage, index, catalog, seed=recipe.seed, extra_args=_cap(stage, max_steps)))
         except RecipeError as exc:
             errors.extend(exc.messages)
-    from trl_ext.recipe import validate_recipe
-
     errors.extend(m for m in validate_recipe(recipe, catalog) if m not in errors)
     if errors:
         raise RecipeError(errors)
     return resolved
+
+
+def preflight(recipe: Recipe, catalog, output_dir: str | Path | None = None, max_steps: int | None = None,
+              warn: Callable[[str], None] | None = None) -> list[ResolvedStage]:
+    """Everything `trl-ext validate` checks and `trl-ext train` checks first: the recipe, every stage, and the output
+    directory. Raises :class:`RecipeError` listing every problem; loads no model and writes nothing.
+
+    A relative model path that does not exist yet (``runs/quickstart/sft``, another run's output) is an error when
+    training starts; with ``warn`` (``trl-ext validate``) it is reported there instead, as it may exist by then."""
+    from trl_ext.stage import model_ref_errors
+
+    errors: list[str] = []
+    resolved: list[ResolvedStage] = []
+    try:
+        resolved = resolve_recipe(recipe, catalog, max_steps=max_steps)
+    except RecipeError as exc:
+        errors += exc.messages
+    missing = [m for i, stage in enumerate(recipe.stages) for m in model_ref_errors(stage, f"stages[{i}]")
+               if m not in errors]
+    if warn is None:
+        errors += missing
+    for message in missing if warn is not None else []:
+        warn(f"{message}; it must exist when training starts")
+    if output_dir is not None:
+        errors += output_dir_errors(Path(output_dir))
+    if errors:
+        raise RecipeError(errors)
+    return resolved
+
+
+def output_dir_errors(output_dir: Path) -> list[str]:
+    """The output directory must be a folder (or creatable as one) this process can write."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return [f"output_dir: {str(output_dir)!r} exists and is not a folder"]
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"output_dir: {str(output_dir)!r} cannot be created: {str(existing)!r} is not a folder"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"output_dir: {str(output_dir)!r} is not writable (no write permission on {str(existing)!r})"]
+    return []
 
 
 def check_distributed(recipe: Recipe) -> list[str]:
@@ -100,21 +156,137 @@ def stage_fingerprints(resolved: list[ResolvedStage]) -> dict[str, str]:
     return out
 
 
-def check_output_dir(output_dir: Path, fingerprints: dict[str, str]) -> None:
-    """Refuse a directory holding finished stages of a different recipe (before any model loads)."""
-    if not output_dir.exists():
+def check_output_dir(output_dir: Path, fingerprints: dict[str, str], restart_unfinished: bool = False,
+                     echo: Callable[[str], None] = print) -> None:
+    """Refuse a directory holding another recipe's stages, finished or not (before any model loads).
+
+    A finished stage is reused only when its fingerprint matches. An unfinished one (``started.json`` without
+    ``stage.json``) is continued only under the fingerprint it was started with; with ``restart_unfinished`` it is
+    removed and started over instead, with a message.
+    """
+    if not output_dir.is_dir():
         return
-    for marker in sorted(output_dir.glob(f"*/{COMPLETE_MARKER}")):
-        try:
-            finished = json.loads(marker.read_text())
-        except (OSError, json.JSONDecodeError):
+    for stage_dir in sorted(p for p in output_dir.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        name = stage_dir.name
+        finished = _read_json(stage_dir / COMPLETE_MARKER)
+        if finished is not None:
+            if fingerprints.get(name) != finished.get("fingerprint"):
+                raise OutputDirError(
+                    f"{output_dir}: holds a finished stage {name!r} of a different recipe (or different settings); "
+                    f"use another --output-dir or remove {stage_dir}"
+                )
             continue
-        name = marker.parent.name
-        if fingerprints.get(name) != finished.get("fingerprint"):
-            raise OutputDirError(
-                f"{output_dir}: holds a finished stage {name!r} of a different recipe (or different settings); "
-                f"use another --output-dir or remove {marker.parent}"
-            )
+        started = _read_json(stage_dir / STARTED_MARKER)
+        if started is None and (name not in fingerprints or all(p.name.startswith(".") for p in stage_dir.iterdir())):
+            continue  # not a trl-ext stage folder, or one killed before its first file (temporary files are hidden)
+        if started is not None and started.get("fingerprint") == fingerprints.get(name):
+            continue
+        if restart_unfinished:
+            echo(f"[trl-ext] stage {name!r}: removing the unfinished stage of a different recipe ({stage_dir}), "
+                 f"--restart-unfinished")
+            _remove_tree(stage_dir)
+            continue
+        origin = "of a different recipe (or different settings)" if started is not None else "of unknown origin"
+        raise OutputDirError(
+            f"{output_dir}: holds an unfinished stage {name!r} {origin}; continuing it would mix two trainings. Use "
+            f"another --output-dir, or --restart-unfinished to delete it and start over"
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a folder so that an interruption never leaves half of it under its real name: rename, then delete."""
+    doomed = path.with_name(f".removing-{path.name}-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One run per output directory
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class RunLock:
+    """``DIR/.trl-ext.lock``: the PID, host and start time of the run using DIR.
+
+    Taken atomically (the lock's content is written to a temporary file that is then hard-linked to the lock name,
+    which fails if the lock exists, so a lock file is never empty or half-written). A lock whose process is gone (same
+    host, PID not running, or running but started after the lock was taken: the PID was reused) is stale and taken
+    over with a message; any other lock refuses the run, naming its holder.
+    """
+
+    def __init__(self, output_dir: Path, echo: Callable[[str], None] = print):
+        self.path = output_dir / LOCK_FILE
+        self.echo = echo
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(me))
+        try:
+            for _attempt in range(3):
+                try:
+                    os.link(tmp, self.path)
+                    self.held = True
+                    return self
+                except FileExistsError:
+                    holder = _read_json(self.path) or {}
+                    if not _is_stale(holder):
+                        raise OutputDirError(
+                            f"{self.path.parent}: in use by another trl-ext run (pid {holder.get('pid', '?')} on host "
+                            f"{holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it, use "
+                            f"another --output-dir, or delete {self.path} if that run is gone"
+                        ) from None
+                    self.echo(f"[trl-ext] {self.path}: taking over a stale lock (pid {holder.get('pid', '?')} on "
+                              f"{holder.get('host', '?')} is no longer running)")
+                    stale = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+                    try:
+                        os.replace(self.path, stale)  # whoever renames it first takes over; the others retry
+                        stale.unlink()
+                    except FileNotFoundError:
+                        pass
+            raise OutputDirError(f"{self.path}: could not take the lock (another run is starting concurrently)")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self.held and (_read_json(self.path) or {}).get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a live holder from a reused PID."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _is_stale(holder: dict[str, Any]) -> bool:
+    pid = holder.get("pid")
+    if not holder or not isinstance(pid, int):
+        return True  # not a lock this code wrote (content is always complete): nobody can be holding it
+    if holder.get("host") != socket.gethostname():
+        return False  # cannot see processes on another machine: never taken over
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    start = _process_start(pid)
+    return holder.get("process_start") is not None and start is not None and start != holder["process_start"]
 
 
 @dataclass
@@ -137,16 +309,31 @@ def current_run() -> RunContext | None:
 
 
 def run_recipe(recipe: Recipe, output_dir: str | Path, catalog, max_steps: int | None = None,
-               extra_callbacks: list | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Validate, then run every stage not already complete. Returns the run summary (also in run.json)."""
+               extra_callbacks: list | None = None, echo: Callable[[str], None] = print,
+               restart_unfinished: bool = False) -> dict[str, Any]:
+    """Validate (as `trl-ext validate`), lock the output directory, then run every stage not already complete.
+    Returns the run summary (also in run.json)."""
     output_dir = Path(output_dir)
-    resolved = resolve_recipe(recipe, catalog, max_steps=max_steps)
+    resolved = preflight(recipe, catalog, output_dir, max_steps=max_steps)
     fingerprints = stage_fingerprints(resolved)
-    check_output_dir(output_dir, fingerprints)
 
     from accelerate import PartialState
 
     state = PartialState()
+    lock = RunLock(output_dir, echo)
+    if state.is_main_process:
+        lock.acquire()
+    try:
+        if state.is_main_process:
+            check_output_dir(output_dir, fingerprints, restart_unfinished=restart_unfinished, echo=echo)
+        state.wait_for_everyone()
+        return _run_stages(recipe, resolved, fingerprints, output_dir, catalog, state, extra_callbacks, echo)
+    finally:
+        lock.release()
+
+
+def _run_stages(recipe: Recipe, resolved: list[ResolvedStage], fingerprints: dict[str, str], output_dir: Path, catalog,
+                state, extra_callbacks: list | None, echo: Callable[[str], None]) -> dict[str, Any]:
     ctx = RunContext(recipe, output_dir, catalog, echo if state.is_main_process else (lambda _m: None),
                      list(extra_callbacks or []))
     run_info = {
@@ -163,9 +350,8 @@ def run_recipe(recipe: Recipe, output_dir: str | Path, catalog, max_steps: int |
     token = _CURRENT_RUN.set(ctx)
     try:
         for rs in resolved:
-            marker = output_dir / rs.spec.name / COMPLETE_MARKER
-            if marker.exists():
-                done = json.loads(marker.read_text())
+            done = _read_json(output_dir / rs.spec.name / COMPLETE_MARKER)
+            if done is not None:
                 ctx.echo(f"[trl-ext] stage {rs.spec.name!r}: already complete, skipping")
                 run_info["stages"][rs.spec.name] = done.get("summary", {})
                 continue
@@ -205,6 +391,13 @@ def resolve_model_ref(ref: str | None, ctx: RunContext) -> str | None:
         return None
     if ref.startswith(STAGE_PREFIX):
         return str(ctx.output_dir / ref[len(STAGE_PREFIX):])
+    if ref.endswith(".gguf"):  # converted once into a plain model folder that TRL can reload by path
+        from accelerate import PartialState
+
+        from trl_ext.embedded.gguf import convert_gguf
+
+        with PartialState().main_process_first():
+            return str(convert_gguf(ref, ctx.output_dir / "_gguf" / Path(ref).stem))
     if ref.startswith(EMBEDDED_PREFIX):
         from accelerate import PartialState
 
@@ -241,31 +434,31 @@ def load_split(spec, catalog, stage: StageSpec, split_role: str, host):
     return dataset
 
 
-def build_peft_config(spec):
-    if spec is None:
-        return None
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+def latest_checkpoint(checkpoint_dir: Path, echo: Callable[[str], None] = print, remove_incomplete: bool = False
+                      ) -> str | None:
+    """The newest complete checkpoint (see :class:`trl_ext.callbacks.CheckpointCompletionCallback`), or None.
 
-    fields = spec.model_dump(exclude={"type"})
-    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(spec.type.upper())
-    if config_cls is None:
-        raise RecipeError(f"peft.type: unknown PEFT method {spec.type!r}; known: {sorted(PEFT_TYPE_TO_CONFIG_MAPPING)}")
-    fields.setdefault("task_type", "CAUSAL_LM")
-    return config_cls(**fields)
+    Newer folders without the completion marker were interrupted while saving: skipped with a message and, with
+    ``remove_incomplete`` (the main process), removed, so Trainer later writes that step's checkpoint afresh.
+    """
+    from trl_ext.callbacks import CHECKPOINT_COMPLETE
 
-
-def latest_checkpoint(checkpoint_dir: Path) -> str | None:
-    candidates = [p for p in checkpoint_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
-    if not candidates:
-        return None
-    return str(max(candidates, key=lambda p: int(p.name.split("-")[-1])))
+    candidates = sorted((p for p in checkpoint_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                        key=lambda p: int(p.name.split("-")[-1]), reverse=True)
+    for candidate in candidates:
+        if (candidate / CHECKPOINT_COMPLETE).is_file():
+            return str(candidate)
+        echo(f"[trl-ext] skipping incomplete checkpoint {candidate} (interrupted while saving)")
+        if remove_incomplete:
+            _remove_tree(candidate)
+    return None
 
 
 def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str, Any]:
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from trl_ext.callbacks import MetricsJsonlCallback
+    from trl_ext.callbacks import CheckpointCompletionCallback, MetricsJsonlCallback
     from trl_ext.rewards import collect_reward_functions
     from trl_ext.trainers import BuildContext
 
@@ -275,6 +468,8 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     checkpoint_dir = stage_dir / "checkpoints"
     started = time.time()
     ctx.echo(f"[trl-ext] stage {spec.name!r} ({spec.trainer}) plugins: {rs.host.names() or 'none'}")
+    if state.is_main_process and not (stage_dir / STARTED_MARKER).exists():
+        write_json_atomic(stage_dir / STARTED_MARKER, {"fingerprint": fingerprint})
 
     model_path = resolve_model_ref(spec.model, ctx)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -288,7 +483,8 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     if rewards and "reward_weights" not in args:
         args["reward_weights"] = [r.weight for r in rewards]
     config = rs.kind.config_cls(output_dir=str(checkpoint_dir), **args)
-    resume_from = latest_checkpoint(checkpoint_dir)
+    resume_from = latest_checkpoint(checkpoint_dir, ctx.echo, remove_incomplete=state.is_main_process)
+    state.wait_for_everyone()
 
     metrics_path = stage_dir / "metrics.jsonl"
     build = BuildContext(
@@ -300,7 +496,8 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
         eval_dataset=eval_dataset,
         tokenizer=tokenizer,
         peft_config=build_peft_config(spec.peft),
-        callbacks=[MetricsJsonlCallback(metrics_path, resume_step=_step_of(resume_from)), *ctx.extra_callbacks],
+        callbacks=[MetricsJsonlCallback(metrics_path, resume_step=_step_of(resume_from)),
+                   CheckpointCompletionCallback(), *ctx.extra_callbacks],
         host=rs.host,
         reward_funcs=[r.as_trl_callable() for r in rewards],
         reward_weights=[r.weight for r in rewards],
@@ -313,11 +510,17 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
         evaluation["before"] = evaluate_stage(trainer, tokenizer, spec, ctx, rs)
         if state.is_main_process:
             write_json_atomic(stage_dir / "eval.json", evaluation)
-    if resume_from:
-        ctx.echo(f"[trl-ext] stage {spec.name!r}: resuming from {resume_from}")
-    result = trainer.train(resume_from_checkpoint=resume_from)
+    if resume_from and _checkpoint_is_final(resume_from):
+        # Killed after its last step (while saving the final model or later): Trainer would train one step more
+        # when resumed at max_steps, so the weights are taken from the last checkpoint and nothing is trained.
+        ctx.echo(f"[trl-ext] stage {spec.name!r}: {resume_from} is the last step; finishing the stage from it")
+        result = _finish_from_final_checkpoint(trainer, resume_from, metrics_path, state.is_main_process)
+    else:
+        if resume_from:
+            ctx.echo(f"[trl-ext] stage {spec.name!r}: resuming from {resume_from}")
+        result = trainer.train(resume_from_checkpoint=resume_from)
+    crash_point("train_end")
     save_stage_model(trainer, tokenizer, stage_dir, is_main=state.is_main_process)
-    state.wait_for_everyone()
 
     summary: dict[str, Any] = {"trainer": spec.trainer, "plugins": rs.host.names(),
                                "global_step": trainer.state.global_step,
@@ -343,19 +546,59 @@ def save_stage_model(trainer, tokenizer, stage_dir: Path, is_main: bool) -> None
 
     A PEFT-trained model is saved twice: the adapter alone under ``adapter/`` (what TRL would save) and the adapter
     merged into the base weights at the top, so ``stage:<name>`` is a plain model for the next stage.
+
+    Written into a temporary folder first and then moved into place, file by file; an interruption anywhere leaves the
+    stage without ``stage.json``, and the rerun resumes from the last step's checkpoint and saves again.
     """
+    from accelerate import PartialState
     from peft import PeftModel
 
+    tmp = stage_dir / FINAL_TMP
+    if is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    PartialState().wait_for_everyone()
     model = trainer.accelerator.unwrap_model(trainer.model)
     if not isinstance(model, PeftModel):
-        trainer.save_model(str(stage_dir))
+        trainer.save_model(str(tmp))
     elif is_main:
-        model.save_pretrained(str(stage_dir / "adapter"))
+        model.save_pretrained(str(tmp / "adapter"))
         import copy
 
-        copy.deepcopy(model).merge_and_unload().save_pretrained(str(stage_dir))
+        copy.deepcopy(model).merge_and_unload().save_pretrained(str(tmp))
     if is_main:
-        tokenizer.save_pretrained(str(stage_dir))
+        tokenizer.save_pretrained(str(tmp))
+        crash_point("final_save")
+        for item in sorted(tmp.iterdir()):
+            target = stage_dir / item.name
+            if target.is_dir() and not target.is_symlink():
+                _remove_tree(target)
+            os.replace(item, target)
+        tmp.rmdir()
+    PartialState().wait_for_everyone()
+
+
+def _checkpoint_is_final(checkpoint: str) -> bool:
+    state = _read_json(Path(checkpoint) / "trainer_state.json") or {}
+    max_steps = state.get("max_steps") or 0
+    return max_steps > 0 and state.get("global_step", 0) >= max_steps
+
+
+def _finish_from_final_checkpoint(trainer, checkpoint: str, metrics_path: Path, is_main: bool):
+    """What ``trainer.train`` leaves behind, from a checkpoint of the last step: its weights and state, and metrics.jsonl
+    repaired (torn line, rows after the step) with the end-of-training row kept when it was written."""
+    from transformers import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    from trl_ext.callbacks import read_jsonl, rewrite_jsonl
+
+    trainer._load_from_checkpoint(checkpoint)
+    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    step = trainer.state.global_step
+    rows = [row for row in read_jsonl(metrics_path) if row.get("step", 0) <= step]
+    if is_main:
+        rewrite_jsonl(metrics_path, rows)
+    train_loss = next((row["train_loss"] for row in reversed(rows) if "train_loss" in row), None)
+    return TrainOutput(step, train_loss, {})
 
 
 def _step_of(checkpoint: str | None) -> int | None:
@@ -371,8 +614,9 @@ def _last_logged(metrics_path: Path) -> dict[str, Any]:
     if not metrics_path.exists():
         return {}
     last: dict[str, Any] = {}
-    for line in metrics_path.read_text().splitlines():
-        row = json.loads(line)
+    from trl_ext.callbacks import read_jsonl
+
+    for row in read_jsonl(metrics_path):
         last.update({k: v for k, v in row.items() if isinstance(v, (int, float))})
     return {k: last[k] for k in ("loss", "reward", "train_loss") if k in last}
 
@@ -383,18 +627,13 @@ def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: Res
 
     from trl_ext.evaluation import evaluate_generation
     from trl_ext.host import PluginHost
-    from trl_ext.recipe import PluginSelection, instantiate_plugins
     from trl_ext.rewards import collect_reward_functions, weighted_reward
 
     state = PartialState()
     result: dict[str, Any] = {}
     if state.is_main_process:
         ev = spec.evaluation
-        selection = ev.reward if isinstance(ev.reward, PluginSelection) else PluginSelection(name=ev.reward)
-        probe = StageSpec(name=spec.name, trainer="grpo", model=spec.model, dataset=ev.dataset, plugins=[selection])
-        plugins, errors = instantiate_plugins(probe, rs.index, ctx.catalog)
-        if errors:
-            raise RecipeError([e.replace(".plugins[0]", ".evaluation.reward") for e in errors])
+        plugins = evaluation_reward_plugins(spec, rs.index, ctx.catalog)
         reward_fn = weighted_reward(collect_reward_functions(PluginHost(plugins), spec))
         dataset = load_split(ev.dataset, ctx.catalog, spec, "evaluation", None)
         if ev.limit is not None:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import csv
 import difflib
 import importlib.util
+import inspect
+import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trl_ext.errors import RecipeError
 from trl_ext.host import PluginHost
-from trl_ext.plugin import Need, Slot
-from trl_ext.recipe import StageSpec, check_args_fields, instantiate_plugins
+from trl_ext.plugin import Need
+from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX, StageSpec, check_args_fields, instantiate_plugins
 from trl_ext.trainers import TRAINER_KINDS, TrainerKind
 
 NEED_HINTS = {
@@ -93,8 +98,11 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
             )
     for messages in host.hook.trl_ext_validate_stage(stage=stage, plugins=plugins):
         errors += [f"{where}: {m}" for m in messages or []]
-    errors += _check_loss_pipeline_support(host, stage, index, args)
-    errors += _check_preference_pipeline_support(host, stage, index, args)
+    errors += kind.check(host, stage, args, where)
+    errors += model_ref_errors(stage, where, missing_relative=False)  # those are the runner's (preflight) to judge
+    errors += peft_errors(stage, where)
+    errors += evaluation_errors(stage, index, catalog)
+    errors += dataset_errors(stage, kind, host, catalog, where)
     if extra_args:
         args.update(extra_args)
     if not errors:
@@ -143,41 +151,160 @@ def _merge_plugin_args(host: PluginHost, stage: StageSpec, index: int, args: dic
     return errors
 
 
-# DPOConfig options that change TRL's own preference loss; the plugin path computes summed log-probs and leaves the
-# loss to the plugin, so these would be silently ignored there.
-_DPO_OPTIONS_NOT_IN_PLUGIN_PATH = {"ld_alpha": None, "f_divergence_type": "reverse_kl", "use_weighting": False,
-                                   "label_smoothing": 0.0}
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks of what would otherwise fail only after the model loads
+# ---------------------------------------------------------------------------------------------------------------------
+
+# A hub id is `name` or `owner/name`; anything else that does not exist locally cannot be loaded.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
-def _check_preference_pipeline_support(host: PluginHost, stage: StageSpec, index: int, args: dict[str, Any]) -> list[str]:
-    if stage.trainer != "dpo" or not host.implements("trl_ext_preference_loss"):
-        return []
-    owner = host.filling(Slot.PREFERENCE_LOSS)
-    name = owner.name if owner is not None else "?"
-    return [
-        f"stages[{index}].args.{key}: TRL's DPO option has no effect with the preference-loss plugin {name!r}; remove it"
-        for key, neutral in _DPO_OPTIONS_NOT_IN_PLUGIN_PATH.items()
-        if key in args and args[key] != neutral
-    ]
+def model_ref_errors(stage: StageSpec, where: str, missing_relative: bool = True) -> list[str]:
+    """``model``/``ref_model``/``teacher`` given as local paths must be model folders (hub ids are left to the hub).
 
-
-def _check_loss_pipeline_support(host: PluginHost, stage: StageSpec, index: int, args: dict[str, Any]) -> list[str]:
-    """The trl-ext GRPO loss pipeline re-expresses only some TRL options; refuse the others up front."""
-    if stage.trainer != "grpo":
-        return []
-    from trl_ext.trainers.grpo import DEFAULT_AGGREGATIONS, LOSS_HOOKS, UNSUPPORTED_WITH_LOSS_PLUGINS
-
-    active = [p.name for p in host.plugins if any(h in p.implemented_hooks() for h in LOSS_HOOKS)]
-    if not active:
-        return []
+    ``missing_relative=False`` leaves out relative paths such as ``runs/quickstart/sft`` that do not exist *yet* (the
+    output of another run); explicit local paths (absolute, ``./``, ``../``, ``~``) are always checked."""
     errors = []
-    for key, neutral in UNSUPPORTED_WITH_LOSS_PLUGINS.items():
-        if key in args and args[key] != neutral:
-            errors.append(f"stages[{index}].args.{key}: not supported together with loss plugin(s) {active}")
-    loss_type = args.get("loss_type", "dapo")
-    if loss_type not in DEFAULT_AGGREGATIONS:
-        errors.append(
-            f"stages[{index}].args.loss_type: {loss_type!r} cannot be combined with loss plugin(s) {active}; "
-            f"use one of {sorted(DEFAULT_AGGREGATIONS)}"
-        )
+    for field_name in ("model", "ref_model", "teacher"):
+        ref = getattr(stage, field_name)
+        if not ref or ref.startswith((STAGE_PREFIX, EMBEDDED_PREFIX)):
+            continue
+        path = Path(ref).expanduser()
+        explicit = ref.startswith(("/", "./", "../", "~", ".\\", "..\\")) or "\\" in ref
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                errors.append(f"{where}.{field_name}: {ref!r} is a folder without config.json, not a model folder")
+        elif path.exists():
+            errors.append(f"{where}.{field_name}: {ref!r} is a file; give the model's folder")
+        elif explicit or (missing_relative and not _HUB_ID.fullmatch(ref)):
+            errors.append(f"{where}.{field_name}: no such model folder {ref!r} (and not a hub id)")
     return errors
+
+
+def build_peft_config(spec):
+    """The PEFT config object for a stage's ``peft:`` section (None without one); RecipeError naming the fault."""
+    if spec is None:
+        return None
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    fields = spec.model_dump(exclude={"type"})
+    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(spec.type.upper())
+    if config_cls is None:
+        raise RecipeError(f"peft.type: unknown PEFT method {spec.type!r}; known: "
+                          f"{sorted(k.lower() for k in PEFT_TYPE_TO_CONFIG_MAPPING)}")
+    fields.setdefault("task_type", "CAUSAL_LM")
+    try:
+        return config_cls(**fields)
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(f"peft: {config_cls.__name__} rejected the fields: {' '.join(str(exc).split())}") from None
+
+
+def peft_errors(stage: StageSpec, where: str) -> list[str]:
+    try:
+        build_peft_config(stage.peft)
+    except RecipeError as exc:
+        return [f"{where}.{m}" for m in exc.messages]
+    return []
+
+
+def evaluation_reward_plugins(stage: StageSpec, index: int, catalog) -> list:
+    """The reward plugin instance(s) of a stage's ``evaluation.reward``; RecipeError naming ``evaluation.reward``."""
+    from trl_ext.recipe import PluginSelection
+
+    ev = stage.evaluation
+    selection = ev.reward if isinstance(ev.reward, PluginSelection) else PluginSelection(name=ev.reward)
+    # Reward plugins are written for the RL trainers; the probe stage lets them instantiate whatever this stage trains.
+    probe = StageSpec(name=stage.name, trainer="grpo", model=stage.model, dataset=ev.dataset, plugins=[selection])
+    plugins, errors = instantiate_plugins(probe, index, catalog)
+    errors = [e.replace(".plugins[0]", ".evaluation.reward").replace(".plugins:", ".evaluation.reward:") for e in errors]
+    if not errors and not any("trl_ext_reward_functions" in p.implemented_hooks() for p in plugins):
+        errors.append(f"stages[{index}].evaluation.reward: plugin {selection.name!r} is not a reward plugin")
+    if errors:
+        raise RecipeError(errors)
+    return plugins
+
+
+def evaluation_errors(stage: StageSpec, index: int, catalog) -> list[str]:
+    if stage.evaluation is None:
+        return []
+    try:
+        evaluation_reward_plugins(stage, index, catalog)
+    except RecipeError as exc:
+        return exc.messages
+    return []
+
+
+def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalog, where: str) -> list[str]:
+    """Embedded builders' parameters, and the columns of local dataset files the trainer reads."""
+    errors = []
+    specs = {"dataset": stage.dataset, "eval_dataset": stage.eval_dataset,
+             "evaluation.dataset": stage.evaluation.dataset if stage.evaluation else None}
+    for field_name, spec in specs.items():
+        if spec is None:
+            continue
+        if spec.source.startswith(EMBEDDED_PREFIX):
+            builder = catalog.datasets.get(spec.source[len(EMBEDDED_PREFIX):], (None,))[0]
+            errors += _builder_param_errors(builder, spec.params, f"{where}.{field_name}.params")
+            continue
+        path = Path(spec.source).expanduser()
+        if spec.source.startswith((".", "/", "~")) and not path.exists():
+            errors.append(f"{where}.{field_name}.source: no such file or folder {spec.source!r}")
+            continue
+        # Plugins that prepare the dataset may build the trainer's columns; the evaluation split only needs prompts.
+        if field_name == "evaluation.dataset" or not kind.columns or host.implements("trl_ext_prepare_dataset"):
+            continue
+        try:
+            columns = local_dataset_columns(path)
+        except (OSError, ValueError) as exc:
+            errors.append(f"{where}.{field_name}.source: cannot read {spec.source!r}: {exc}")
+            continue
+        if columns is not None and not any(need <= columns for need in kind.columns):
+            wanted = " or ".join(sorted("+".join(sorted(c)) for c in kind.columns))
+            errors.append(f"{where}.{field_name}.source: {spec.source!r} has columns {sorted(columns)}; the "
+                          f"{stage.trainer} trainer reads {wanted}")
+    return errors
+
+
+def _builder_param_errors(builder, params: dict[str, Any], where: str) -> list[str]:
+    if builder is None or not params:
+        return []
+    try:
+        signature = inspect.signature(builder)
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return []
+    accepted = [name for name in signature.parameters if name != "split"]
+    return [f"{where}.{key}: not a parameter of this embedded dataset (accepted: {', '.join(accepted)})"
+            for key in params if key not in accepted]
+
+
+def local_dataset_columns(path: Path) -> set[str] | None:
+    """Column names of a local dataset file or saved dataset, read without loading it (None: not a local dataset)."""
+    if path.is_dir():
+        info = path / "dataset_info.json"
+        if not info.is_file():
+            return None
+        return set(json.loads(info.read_text()).get("features", {}))
+    if not path.is_file():
+        return None
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as handle:
+            first = handle.readline().strip()
+            if first.startswith("{"):
+                try:
+                    return set(json.loads(first))
+                except json.JSONDecodeError:
+                    pass
+        data = json.loads(path.read_text(encoding="utf-8"))  # a JSON array (or one object) rather than JSON lines
+        row = data[0] if isinstance(data, list) and data else data
+        return set(row) if isinstance(row, dict) else None
+    if suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as handle:
+            return set(next(csv.reader(handle), []))
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return set(pq.read_schema(path).names)
+    raise ValueError(f"unsupported file type {suffix or '(none)'} (use json, jsonl, csv or parquet)")

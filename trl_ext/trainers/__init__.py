@@ -97,6 +97,12 @@ def _build_merge(ctx):
     return ExtMergeTrainer(model=ctx.model, args=ctx.config, processing_class=ctx.tokenizer, plugin_host=ctx.host)
 
 
+def _check_merge(host, stage, args, where):
+    from trl_ext.trainers.merge import check_stage
+
+    return check_stage(host, stage, args, where)
+
+
 def _build_distillation(ctx):
     from trl_ext.trainers.others import ExtDistillationTrainer
 
@@ -112,8 +118,27 @@ def _rl_capabilities(stage, args: dict[str, Any], default_beta: float) -> set[Ne
     return caps
 
 
+def _no_checks(host, stage, args: dict[str, Any], where: str) -> list[str]:
+    return []
+
+
+def _check_grpo(host, stage, args, where):
+    from trl_ext.trainers.grpo import check_stage
+
+    return check_stage(host, stage, args, where)
+
+
+def _check_dpo(host, stage, args, where):
+    from trl_ext.trainers.dpo import check_dpo_stage
+
+    return check_dpo_stage(host, stage, args, where)
+
+
 @dataclass(frozen=True)
 class TrainerKind:
+    """One recipe trainer name. Everything trainer-specific the core needs lives here, so adding a trainer kind touches
+    this package only."""
+
     name: str
     config_cls: type
     build: Callable[[BuildContext], Any]
@@ -121,6 +146,11 @@ class TrainerKind:
     uses_rewards: bool = False  # RL trainers take reward functions from plugins
     reads_ref_model: bool = False  # `ref_model:` is meaningful for this trainer
     reads_teacher: bool = False
+    # The trainer's own validation: (host, stage spec, merged args, field path prefix) -> one message per problem.
+    check: Callable[[Any, Any, dict[str, Any], str], list[str]] = _no_checks
+    # Dataset columns the trainer reads: any one of these column sets must be present (checked for local files
+    # before loading, when no plugin prepares the dataset); empty = not checked.
+    columns: tuple[frozenset[str], ...] = ()
 
 
 def _teacher_caps(stage, args):
@@ -130,15 +160,21 @@ def _teacher_caps(stage, args):
 TRAINER_KINDS: dict[str, TrainerKind] = {
     kind.name: kind
     for kind in [
-        TrainerKind("sft", SFTConfig, _build_sft, lambda s, a: set()),
+        TrainerKind("sft", SFTConfig, _build_sft, lambda s, a: set(),
+                    columns=(frozenset({"text"}), frozenset({"messages"}), frozenset({"prompt", "completion"}))),
         TrainerKind("grpo", GRPOConfig, _build_grpo, lambda s, a: _rl_capabilities(s, a, 0.0) | _teacher_caps(s, a),
-                    uses_rewards=True),
-        TrainerKind("rloo", RLOOConfig, _build_rloo, lambda s, a: _rl_capabilities(s, a, 0.05), uses_rewards=True),
-        TrainerKind("dpo", DPOConfig, _build_dpo, lambda s, a: {Need.REFERENCE}, reads_ref_model=True),
-        TrainerKind("kto", KTOConfig, _build_kto, lambda s, a: {Need.REFERENCE}, reads_ref_model=True),
-        TrainerKind("reward", RewardConfig, _build_reward, lambda s, a: set()),
-        TrainerKind("prm", PRMConfig, _build_prm, lambda s, a: set()),
+                    uses_rewards=True, check=_check_grpo, columns=(frozenset({"prompt"}),)),
+        TrainerKind("rloo", RLOOConfig, _build_rloo, lambda s, a: _rl_capabilities(s, a, 0.05), uses_rewards=True,
+                    columns=(frozenset({"prompt"}),)),
+        TrainerKind("dpo", DPOConfig, _build_dpo, lambda s, a: {Need.REFERENCE}, reads_ref_model=True,
+                    check=_check_dpo, columns=(frozenset({"chosen", "rejected"}),)),
+        TrainerKind("kto", KTOConfig, _build_kto, lambda s, a: {Need.REFERENCE}, reads_ref_model=True,
+                    columns=(frozenset({"prompt", "completion", "label"}),)),
+        TrainerKind("reward", RewardConfig, _build_reward, lambda s, a: set(),
+                    columns=(frozenset({"chosen", "rejected"}),)),
+        TrainerKind("prm", PRMConfig, _build_prm, lambda s, a: set(),
+                    columns=(frozenset({"prompt", "completions", "labels"}),)),
         TrainerKind("distillation", DistillationConfig, _build_distillation, _teacher_caps, reads_teacher=True),
-        TrainerKind("merge", MergeConfig, _build_merge, lambda s, a: set()),  # trains nothing; plugins merge
+        TrainerKind("merge", MergeConfig, _build_merge, lambda s, a: set(), check=_check_merge),  # plugins merge
     ]
 }

@@ -18,10 +18,24 @@ import torch
 from trl import DPOTrainer, KTOTrainer
 
 from trl_ext.batches import PreferenceInputs
-from trl_ext.plugin import Need
+from trl_ext.plugin import Need, Slot
 from trl_ext.trainers.base import HostMixin
 
 _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+# DPOConfig options that change TRL's own preference loss; the plugin path computes summed log-probs and leaves the
+# loss to the plugin, so these would be silently ignored there.
+DPO_OPTIONS_NOT_IN_PLUGIN_PATH = {"ld_alpha": None, "f_divergence_type": "reverse_kl", "use_weighting": False,
+                                  "label_smoothing": 0.0}
+
+
+def check_dpo_stage(host, stage, args: dict, where: str) -> list[str]:
+    """DPO's own validation (TrainerKind.check): TRL loss options a preference-loss plugin would silently ignore."""
+    owner = host.filling(Slot.PREFERENCE_LOSS)
+    if owner is None:
+        return []
+    return [f"{where}.args.{key}: TRL's DPO option has no effect with the preference-loss plugin {owner.name!r}; "
+            f"remove it" for key, neutral in DPO_OPTIONS_NOT_IN_PLUGIN_PATH.items() if key in args and args[key] != neutral]
 
 
 class ExtDPOTrainer(HostMixin, DPOTrainer):

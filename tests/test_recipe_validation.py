@@ -1,0 +1,478 @@
+"""Every class of bad input is refused by `trl-ext validate` (and by `train`, which validates first) with a line naming
+the file, field or plugin at fault, exit code 2, no traceback, and no model loaded; runtime failures exit 1.
+Also the run-directory guards that need no training: the lock, unfinished stages of another recipe, incomplete
+checkpoints and torn metrics lines."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from trl_ext.catalog import Catalog
+from trl_ext.cli import main
+from trl_ext.errors import OutputDirError
+from trl_ext.hookspecs import hookimpl
+
+BASE = {"trainer": "sft", "model": "embedded:tiny-qwen2", "dataset": "embedded:arithmetic", "args": {"max_steps": 1}}
+
+
+@pytest.fixture(autouse=True)
+def no_model_loads(monkeypatch):
+    """Validation must never load a model: make every loader fail loudly."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded during validation")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr("trl_ext.embedded.models.materialize_model", refuse)
+
+
+def write(tmp_path, data, name="recipe.yaml"):
+    path = tmp_path / name
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_refused(code, err, *fragments):
+    assert code == 2, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def stages(*names):
+    return {"stages": [{**BASE, "name": n} for n in names]}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Names that become paths
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs/path", "", "..", ".hidden", "_embedded", "run.json",
+                                  "a\\b", "x" * 65])
+def test_unsafe_stage_names_are_refused(tmp_path, capsys, name):
+    code, _, err = cli(capsys, "validate", write(tmp_path, stages(name)))
+    assert_refused(code, err, "stages[0].name", "not a safe name")
+
+
+def test_duplicate_stage_names_even_by_case(tmp_path, capsys):
+    code, _, err = cli(capsys, "validate", write(tmp_path, stages("sft", "SFT")))
+    assert_refused(code, err, "stages[1].name: stage name 'SFT' is used more than once")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The recipe file itself
+# --------------------------------------------------------------------------------------------------------------------
+
+BOMB = """\
+trainer: sft
+model: embedded:tiny-qwen2
+dataset:
+  source: embedded:arithmetic
+  params:
+    a: &a [x, x, x, x, x, x, x, x, x, x]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
+    h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
+"""
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (BOMB, "YAML expands to more than"),
+        ("trainer: " + "[" * 100 + "]" * 100 + "\n", "YAML nested deeper than"),
+        ("a: &a [*a]\n", "refers to itself"),
+        (b"trainer: sft\nmodel: \xff\xfe\n", "not UTF-8 text"),
+        ("", "the file is empty"),
+        ("# only a comment\n", "holds no YAML content"),
+        ("- a\n- list\n", "must be a YAML mapping, got list"),
+        ("stages: [unclosed\n", "not valid YAML"),
+        ("trainer: sft\n" + "# padding\n" * 120_000, "larger than"),
+    ],
+    ids=["alias-bomb", "deep-nesting", "recursive-alias", "not-utf8", "empty", "comments-only", "list", "bad-yaml",
+         "too-large"],
+)
+def test_broken_recipe_files(tmp_path, capsys, content, fragment):
+    path = write(tmp_path, content)
+    code, _, err = cli(capsys, "validate", path)
+    assert_refused(code, err, path, fragment)
+
+
+def test_a_directory_is_not_a_recipe(tmp_path, capsys):
+    code, _, err = cli(capsys, "validate", str(tmp_path))
+    assert_refused(code, err, "is a directory")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ({"learning_rate": 0}, "args.learning_rate: must be > 0"),
+        ({"learning_rate": -1e-4}, "args.learning_rate: must be > 0"),
+        ({"learning_rate": ".nan"}, "args.learning_rate: NaN and infinity"),
+        ({"max_steps": 0}, "args.max_steps: must be >= 1"),
+        ({"per_device_train_batch_size": 0}, "args.per_device_train_batch_size: must be >= 1"),
+        ({"gradient_accumulation_steps": -2}, "args.gradient_accumulation_steps: must be >= 1"),
+        ({"adam_beta1": 1.5}, "args.adam_beta1: must be < 1"),
+        ({"warmup_steps": -1}, "args.warmup_steps: must be >= 0"),
+        ({"max_grad_norm": "inf"}, "args.max_grad_norm: NaN and infinity"),
+        ({"num_train_epochs": 0}, "args.num_train_epochs: must be > 0"),
+    ],
+)
+def test_numeric_ranges(tmp_path, capsys, args, fragment):
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "args": args}))
+    assert_refused(code, err, fragment)
+
+
+def test_yaml_nan_and_inf_anywhere_are_refused(tmp_path, capsys):
+    text = ("trainer: grpo\nmodel: embedded:tiny-qwen2\ndataset: embedded:arithmetic\n"
+            "plugins: [grpo, {exact_match: {weight: .inf}}]\nargs: {beta: .nan}\n")
+    code, _, err = cli(capsys, "validate", write(tmp_path, text))
+    assert_refused(code, err, "plugins[1].exact_match.weight: NaN and infinity", "args.beta: NaN and infinity")
+
+
+def test_numbers_yaml_reads_as_strings_are_accepted(tmp_path, capsys):
+    # YAML 1.1 reads 1e-3 (no dot) as a string; TRL's own parser takes it as a number, so do we.
+    text = "trainer: sft\nmodel: embedded:tiny-qwen2\ndataset: embedded:arithmetic\nargs: {learning_rate: 1e-3}\n"
+    code, out, err = cli(capsys, "validate", write(tmp_path, text))
+    assert code == 0, err and "valid" in out
+
+
+def test_plugin_parameter_ranges_come_from_the_plugin(tmp_path, capsys):
+    data = {**BASE, "trainer": "grpo", "plugins": ["grpo", {"exact_match": {"weight": "1e3"}}]}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert code == 0, err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Command-line overrides
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("no-equals-sign", "--set 'no-equals-sign': expected PATH=VALUE"),
+        ("=3", "expected PATH=VALUE"),
+        ("args..max_steps=3", "expected PATH=VALUE"),
+        ("args.max_stepz=3", "args.max_stepz: not a field of SFTConfig"),
+        ("bogus=1", "Extra inputs are not permitted"),
+        ("args.max_steps=-5", "args.max_steps: must be >= 1"),
+        ("args.learning_rate=nan", "NaN and infinity"),
+        ("args.max_steps=[unclosed", "--set args.max_steps: not valid YAML"),
+        ("trainer.x=1", "--set trainer.x: trainer is not a mapping or list"),
+    ],
+)
+def test_bad_set_overrides(tmp_path, capsys, override, fragment):
+    code, _, err = cli(capsys, "validate", write(tmp_path, BASE), "--set", override)
+    assert_refused(code, err, fragment)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_bad_max_steps(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", write(tmp_path, BASE), "--max-steps", value, "--output-dir", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert "--max-steps" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What used to fail only after the model loaded
+# --------------------------------------------------------------------------------------------------------------------
+
+EVAL = {"dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}}, "reward": "exact_match"}
+
+
+def _local_dataset(tmp_path, rows, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "patch, fragment",
+    [
+        ({"evaluation": {**EVAL, "reward": "exact_matc"}}, "stages[0].evaluation.reward: unknown plugin 'exact_matc'"),
+        ({"evaluation": {**EVAL, "reward": "grpo"}}, "stages[0].evaluation.reward: plugin 'grpo' is not a reward plugin"),
+        ({"evaluation": {**EVAL, "dataset": {"source": "embedded:arithmetix"}}},
+         "stages[0].evaluation.dataset.source: unknown embedded dataset 'arithmetix'"),
+        ({"dataset": {"source": "embedded:arithmetic", "params": {"fromat": "prompt"}}},
+         "stages[0].dataset.params.fromat: not a parameter of this embedded dataset"),
+        ({"peft": {"type": "lorax"}}, "stages[0].peft.type: unknown PEFT method 'lorax'"),
+        ({"peft": {"type": "lora", "rr": 8}}, "stages[0].peft: LoraConfig rejected the fields"),
+        ({"model": "./no/such/model"}, "stages[0].model: no such model folder './no/such/model'"),
+        ({"model": "/no/such/model"}, "stages[0].model: no such model folder"),
+        ({"model": "runs/never/made"}, "stages[0].model: no such model folder 'runs/never/made'"),
+    ],
+)
+def test_faults_that_used_to_need_a_loaded_model(tmp_path, capsys, patch, fragment):
+    code, _, err = cli(capsys, "train", write(tmp_path, {**BASE, **patch}), "--output-dir", str(tmp_path / "out"))
+    assert_refused(code, err, fragment)
+    assert not (tmp_path / "out").exists()  # train validated first and wrote nothing
+
+
+def test_a_model_path_that_is_a_file_or_not_a_model_folder(tmp_path, capsys):
+    (tmp_path / "weights.bin").write_text("x")
+    (tmp_path / "empty").mkdir()
+    data = {"stages": [{**BASE, "name": "a", "model": str(tmp_path / "weights.bin")},
+                       {**BASE, "name": "b", "model": str(tmp_path / "empty")}]}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "stages[0].model:", "is a file", "stages[1].model:", "without config.json")
+
+
+def test_relative_model_path_of_another_run_is_a_warning_in_validate_and_an_error_in_train(tmp_path, capsys):
+    path = write(tmp_path, {**BASE, "model": "runs/not/yet"})
+    code, out, err = cli(capsys, "validate", path, "--output-dir", str(tmp_path / "out"))
+    assert code == 0 and "warning: stages[0].model: no such model folder 'runs/not/yet'" in err
+    code, _, err = cli(capsys, "train", path, "--output-dir", str(tmp_path / "out"))
+    assert_refused(code, err, "stages[0].model: no such model folder 'runs/not/yet'")
+
+
+@pytest.mark.parametrize(
+    "trainer, rows, fragment",
+    [
+        ("sft", [{"question": "1+1", "answer": "2"}], "the sft trainer reads completion+prompt or messages or text"),
+        ("dpo", [{"prompt": "1+1", "chosen": "2"}], "the dpo trainer reads chosen+rejected"),
+        ("grpo", [{"question": "1+1"}], "the grpo trainer reads prompt"),
+    ],
+)
+def test_missing_columns_of_a_local_dataset(tmp_path, capsys, trainer, rows, fragment):
+    plugins = ["grpo", "exact_match"] if trainer == "grpo" else []
+    data = {**BASE, "trainer": trainer, "plugins": plugins, "dataset": _local_dataset(tmp_path, rows)}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "stages[0].dataset.source:", fragment)
+
+
+def test_local_dataset_with_the_right_columns_validates(tmp_path, capsys):
+    csv_path = tmp_path / "data.csv"
+    csv_path.write_text("prompt,completion\n1+1,2\n")
+    code, out, err = cli(capsys, "validate", write(tmp_path, {**BASE, "dataset": str(csv_path)}))
+    assert code == 0, err
+
+
+def test_output_dir_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "out").write_text("not a folder")
+    code, _, err = cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(tmp_path / "out"))
+    assert_refused(code, err, "output_dir:", "exists and is not a folder")
+    code, _, err = cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", str(tmp_path / "out" / "sub"))
+    assert_refused(code, err, "output_dir:", "is not a folder")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits, so there is no unwritable folder")
+def test_output_dir_not_writable(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code, _, err = cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", str(locked / "out"))
+        assert_refused(code, err, "output_dir:", "is not writable")
+    finally:
+        locked.chmod(0o700)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Messages and exit codes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_debug_shows_the_traceback_and_runtime_failures_exit_1(tmp_path, capsys, monkeypatch):
+    path = write(tmp_path, {**BASE, "plugins": ["nope"]})
+    code, _, err = cli(capsys, "--debug", "validate", path)
+    assert code == 2 and "Traceback" in err and "unknown plugin 'nope'" in err
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr("trl_ext.runner.run_recipe", broken)
+    code, _, err = cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(tmp_path / "out"))
+    assert code == 1 and "error: RuntimeError: disk on fire" in err and "second line" not in err
+    assert "Traceback" not in err
+    code, _, err = cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(tmp_path / "out"), "--debug")
+    assert code == 1 and "Traceback" in err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Third-party plugins
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class FakeEntryPoint:
+    """What importlib.metadata gives the catalog: a name, a distribution, and load()."""
+
+    def __init__(self, name, load, dist="trl-ext-broken"):
+        self.name, self._load = name, load
+        self.dist = types.SimpleNamespace(name=dist, version="9.9")
+
+    def load(self):
+        return self._load()
+
+
+def _exits():
+    raise SystemExit(3)
+
+
+def _interrupts_generator():
+    raise GeneratorExit()
+
+
+class HalfRegisters:
+    """Registers a model, then dies in its next registration hook: nothing it registered may stay."""
+
+    @staticmethod
+    @hookimpl
+    def trl_ext_register_models(register):
+        register("half-model", lambda directory, seed=0: directory)
+
+    @staticmethod
+    @hookimpl
+    def trl_ext_register_datasets(register):
+        raise SystemExit("plugin called sys.exit()")
+
+
+@pytest.mark.parametrize("load, error", [(_exits, "SystemExit: 3"), (_interrupts_generator, "GeneratorExit"),
+                                         (lambda: HalfRegisters, "SystemExit: plugin called sys.exit()")])
+def test_an_entry_point_raising_anything_is_recorded_and_the_rest_loads(load, error):
+    catalog = Catalog.discover()
+    before = set(catalog.plugins)
+    catalog.load_entry_point(FakeEntryPoint("broken", load))
+    assert set(catalog.plugins) == before and "half-model" not in catalog.models
+    (failure,) = [f for f in catalog.failures if f.source == "broken"]
+    assert failure.distribution == "trl-ext-broken" and error in failure.error
+
+
+def test_a_broken_entry_point_is_reported_by_the_cli_which_goes_on(tmp_path, capsys, monkeypatch):
+    original = Catalog.load_entry_point
+    entry_points = [FakeEntryPoint("broken", _exits)]
+
+    def discover(cls, autoload=None, block=frozenset()):
+        catalog = original_discover(autoload, block=block)
+        for ep in entry_points:
+            if ep.name not in block:
+                original(catalog, ep)
+        return catalog
+
+    original_discover = Catalog.discover
+    monkeypatch.setattr(Catalog, "discover", classmethod(discover))
+    code, out, err = cli(capsys, "validate", write(tmp_path, BASE))
+    assert code == 0, err
+    assert "warning: plugin entry point 'broken' of distribution 'trl-ext-broken' failed to load" in err
+    assert "SystemExit: 3" in err and "-p no:broken" in err
+    code, out, err = cli(capsys, "-p", "no:broken", "validate", write(tmp_path, BASE))
+    assert code == 0 and "broken" not in err
+
+
+def test_disable_a_plugin_family_by_name_and_allow_list(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRL_EXT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    data = {**BASE, "trainer": "grpo", "plugins": ["grpo", "exact_match"]}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data), "-p", "no:rewards")
+    assert_refused(code, err, "unknown plugin 'exact_match'")
+    monkeypatch.setenv("TRL_EXT_PLUGINS", "losses")
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "unknown plugin 'exact_match'")
+    monkeypatch.setenv("TRL_EXT_PLUGINS", "losses,rewards")
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert code == 0, err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One run per output directory; unfinished stages; incomplete checkpoints; torn lines
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_second_run_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    import socket
+
+    from trl_ext.runner import LOCK_FILE, RunLock, _process_start
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out.mkdir()
+        (out / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                 "process_start": _process_start(holder.pid), "started": "earlier"}))
+        code, _, err = cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
+        assert_refused(code, err, f"in use by another trl-ext run (pid {holder.pid} on host {socket.gethostname()}")
+    finally:
+        holder.kill()
+        holder.wait()
+    messages = []
+    lock = RunLock(out, messages.append).acquire()  # the holder is dead now
+    assert any("taking over a stale lock" in m and str(holder.pid) in m for m in messages)
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+    with pytest.raises(OutputDirError, match=f"pid {os.getpid()}"):
+        RunLock(out).acquire()  # held by a live process (this one)
+    lock.release()
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_unfinished_stage_of_another_recipe_is_refused_or_restarted(tmp_path, capsys):
+    from trl_ext.runner import check_output_dir
+
+    out = tmp_path / "out"
+    (out / "main" / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (out / "main" / "started.json").write_text(json.dumps({"fingerprint": "another-recipe"}))
+    code, _, err = cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
+    assert_refused(code, err, "holds an unfinished stage 'main' of a different recipe", "--restart-unfinished")
+    assert (out / "main" / "checkpoints" / "checkpoint-2").is_dir()  # untouched
+    messages = []
+    check_output_dir(out, {"main": "this-recipe"}, restart_unfinished=True, echo=messages.append)
+    assert not (out / "main").exists() and "removing the unfinished stage" in messages[0]
+    (out / "main").mkdir()
+    (out / "main" / "started.json").write_text(json.dumps({"fingerprint": "this-recipe"}))
+    check_output_dir(out, {"main": "this-recipe"})  # the same recipe continues
+
+
+def test_only_complete_checkpoints_are_resumed_from(tmp_path):
+    from trl_ext.callbacks import CHECKPOINT_COMPLETE
+    from trl_ext.runner import latest_checkpoint
+
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-2" / CHECKPOINT_COMPLETE).write_text("{}")
+    (tmp_path / "checkpoint-4" / CHECKPOINT_COMPLETE).write_text("{}")
+    messages = []
+    assert latest_checkpoint(tmp_path, messages.append, remove_incomplete=True) == str(tmp_path / "checkpoint-4")
+    assert "skipping incomplete checkpoint" in messages[0] and not (tmp_path / "checkpoint-6").exists()
+    assert latest_checkpoint(tmp_path / "none", messages.append) is None
+
+
+def test_metrics_file_with_a_torn_line_is_repaired_on_resume(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    from trl_ext.callbacks import MetricsJsonlCallback
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n{"step": 3, "lo')
+    callback = MetricsJsonlCallback(path, resume_step=2)
+    state = TrainerState()
+    callback.on_train_begin(None, state, TrainerControl())
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 1, "loss": 1.0},
+                                                                          {"step": 2, "loss": 0.5}]
+    state.global_step = 3
+    callback.on_log(None, state, TrainerControl(), logs={"loss": 0.25})
+    assert json.loads(path.read_text().splitlines()[-1]) == {"step": 3, "loss": 0.25}
