@@ -89,3 +89,21 @@ def relaunch(spec, cli_args: list[str], machine_rank: int | None = None) -> int:
     import subprocess
 
     return subprocess.call(launch_command(spec, cli_args, machine_rank))
+
+
+def init_cpu_deepspeed(stage_args: list[dict[str, Any]]) -> None:
+    """Start DeepSpeed's process group with gloo before any model is built, on a CPU-only machine.
+
+    Under ZeRO-3, transformers builds models inside ``deepspeed.zero.Init``, which would otherwise initialise
+    DeepSpeed's communication itself with a GPU backend, or see a world of one process (then every batch-size
+    check fails with ``train_batch_size ... world_size 1``). No-op with CUDA, without DeepSpeed configs, or when a
+    process group exists.
+    """
+    import torch
+
+    if torch.cuda.is_available() or not already_launched() or not any(args.get("deepspeed") for args in stage_args):
+        return
+    import deepspeed
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
