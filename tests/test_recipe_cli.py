@@ -49,7 +49,7 @@ def _missing_modules(config: Path) -> list[str]:
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_every_shipped_config_validates(config, capsys):
     missing = _missing_modules(config)
-    if missing:  # .ci/run's slow step installs them and validates these recipes there
+    if missing:  # .ci/run installs them before its slow step, which trains these recipes
         pytest.skip(f"{config.name} declares optional modules that are not installed: {', '.join(missing)}")
     code, out, err = run_cli(capsys, "validate", str(config))
     assert code == 0, err

@@ -100,6 +100,10 @@ def cmd_train(ns) -> int:
         if not already_launched():
             preflight(recipe, catalog, output_dir, max_steps=ns.max_steps)  # report recipe errors once, here
             return relaunch(spec, ns.argv, machine_rank=ns.machine_rank)
+    from trl_ext.launch import init_cpu_deepspeed
+    from trl_ext.runner import with_backend_args
+
+    init_cpu_deepspeed([stage.args for stage in with_backend_args(recipe).stages])
     try:
         run_recipe(recipe, output_dir, catalog, max_steps=ns.max_steps, restart_unfinished=ns.restart_unfinished)
     finally:
