@@ -273,7 +273,7 @@ def test_exact_match_reward(completion, gold, reward):
 
 def test_registry():
     assert EMBEDDED_DATASETS["arithmetic"] is arithmetic_dataset
-    assert set(EMBEDDED_MODELS) == {"tiny-qwen2", "tiny-qwen2-small", "tiny-qwen3-moe"}
+    assert set(EMBEDDED_MODELS) == {"tiny-qwen2", "tiny-qwen2-small", "tiny-qwen3-moe", "tiny-glm4-moe-mtp"}
 
 
 # --- evaluation ------------------------------------------------------------------------------------

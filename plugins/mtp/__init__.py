@@ -1,8 +1,9 @@
 """Multi-token-prediction plugins: ``mtp_heads`` (retrain the MTP draft heads after RL, trunk frozen)."""
 
 from trl_ext import hookimpl
+from trl_ext_plugins.mtp.mtp_heads import MtpHeads
 
-PLUGINS: tuple = ()
+PLUGINS: tuple = (MtpHeads,)
 
 
 @hookimpl

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -85,10 +87,37 @@ def _tiny_qwen3_moe() -> Qwen3MoeConfig:
     )
 
 
+def _tiny_glm4_moe_mtp() -> Glm4MoeConfig:
+    # A GLM-4.5-Air-shaped model with one multi-token-prediction layer, about 430K parameters. It has 46 decoder
+    # layers because transformers 5.24 finds GLM-4-MoE's MTP weights only at the layer indices of the released
+    # checkpoints (`model.layers.46` / `92`, Glm4MoeForCausalLM._keys_to_ignore_on_load_unexpected): with 46 layers,
+    # heads saved at `model.layers.46` load through `generate(use_mtp=True)` unchanged. The trunk is dense
+    # (first_k_dense_replace=46); the MTP layer is sparse, as transformers builds it (4 experts, top-2, 1 shared).
+    # The materialized checkpoint has no MTP weights: the `mtp` trainer attaches fresh heads.
+    return Glm4MoeConfig(
+        hidden_size=32,
+        num_hidden_layers=46,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=46,
+        num_mtp_layers=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        **_special_token_ids(),
+    )
+
+
 _CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], type[PreTrainedModel]]] = {
     "tiny-qwen2": (_tiny_qwen2, Qwen2ForCausalLM),
     "tiny-qwen2-small": (_tiny_qwen2_small, Qwen2ForCausalLM),
     "tiny-qwen3-moe": (_tiny_qwen3_moe, Qwen3MoeForCausalLM),
+    "tiny-glm4-moe-mtp": (_tiny_glm4_moe_mtp, Glm4MoeForCausalLM),
 }
 
 

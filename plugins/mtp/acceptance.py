@@ -1,0 +1,116 @@
+"""Speculative-decoding acceptance of a checkpoint's MTP heads, measured with transformers' own drafting.
+
+The checkpoint folder is loaded with ``AutoModelForCausalLM.from_pretrained`` and every prompt is decoded with
+``generate(use_mtp=True)``: transformers' ``MTPCandidateGenerator`` loads the heads from the folder
+(``MtpModel.from_pretrained``), drafts ``num_mtp_layers`` tokens per step and the trunk verifies them in
+``_assisted_decoding``. Nothing of that path is replaced: the only addition is an observer on the candidate
+generator's ``update_candidate_strategy(input_ids, scores, num_matches)``, which ``_assisted_decoding`` calls once
+per verification step with the step's scores (candidate length + 1 columns) and the number of accepted draft tokens
+(after transformers' own cropping at eos / max length). The observer is attached to this model instance only, by
+wrapping its ``_get_candidate_generator``; the class is untouched.
+
+Figures (over all verification steps that had drafts, all prompts pooled):
+
+* ``acceptance_length``: mean accepted draft tokens per step, in [0, num_mtp_layers] (the issue's definition);
+* ``acceptance_rate``: accepted / drafted tokens;
+* ``tokens_per_step``: ``acceptance_length + 1`` (each step also emits the trunk's own token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Acceptance:
+    acceptance_length: float
+    acceptance_rate: float
+    tokens_per_step: float
+    steps: int
+    drafted: int
+    accepted: int
+    prompts: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(records: list[tuple[int, int]], prompts: int) -> Acceptance:
+    """``records``: (drafted, accepted) per verification step; steps without drafts (the prefill) are skipped."""
+    steps = [(d, a) for d, a in records if d > 0]
+    drafted = sum(d for d, _ in steps)
+    accepted = sum(a for _, a in steps)
+    n = len(steps)
+    return Acceptance(acceptance_length=accepted / n if n else 0.0, acceptance_rate=accepted / drafted if drafted else 0.0,
+                      tokens_per_step=(accepted / n + 1.0) if n else 0.0, steps=n, drafted=drafted, accepted=accepted,
+                      prompts=prompts)
+
+
+def _observe_acceptance(model, records: list[tuple[int, int]]) -> None:
+    """Make every candidate generator ``model.generate`` builds report (drafted, accepted) per step into ``records``."""
+    build = model._get_candidate_generator
+
+    def build_and_observe(*args, **kwargs):
+        generator = build(*args, **kwargs)
+        update = generator.update_candidate_strategy
+
+        def update_and_record(input_ids, scores, num_matches):
+            records.append((int(scores.shape[1]) - 1, int(num_matches)))
+            return update(input_ids, scores, num_matches)
+
+        generator.update_candidate_strategy = update_and_record
+        return generator
+
+    model._get_candidate_generator = build_and_observe
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """Token ids of a plain-text prompt (no special tokens, as the trainers tokenize it) or of a conversation."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+
+
+@torch.no_grad()
+def measure_acceptance(model_dir: str | Path, prompts: list, max_new_tokens: int = 16, do_sample: bool = False,
+                       temperature: float = 1.0, seed: int = 0) -> Acceptance:
+    """Decode each prompt (batch size 1, which transformers' assisted decoding requires) with
+    ``generate(use_mtp=True)`` from the folder ``model_dir`` and pool the acceptance of every step."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    records: list[tuple[int, int]] = []
+    _observe_acceptance(model, records)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else \
+        {"do_sample": False}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for prompt in prompts:
+            ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=model.device)
+            model.generate(ids, attention_mask=torch.ones_like(ids), use_mtp=True, max_new_tokens=max_new_tokens,
+                           pad_token_id=tokenizer.pad_token_id, **sampling)
+    return summarize(records, len(prompts))
+
+
+def plot_acceptance(figures: dict[str, Acceptance], out_png: str | Path, title: str) -> Path:
+    """Bar chart of acceptance length per measured checkpoint (in the given order)."""
+    from matplotlib.figure import Figure
+
+    out_png = Path(out_png)
+    figure = Figure(figsize=(6, 3.6), layout="constrained")
+    axes = figure.subplots()
+    names = list(figures)
+    values = [figures[n].acceptance_length for n in names]
+    bars = axes.bar(names, values, color=[f"C{i}" for i in range(len(names))])
+    for bar, value in zip(bars, values):
+        axes.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+    axes.set_ylabel("mean accepted draft tokens / step")
+    axes.set_title(title)
+    axes.set_ylim(0, max(values + [1e-3]) * 1.2)
+    figure.savefig(out_png, dpi=100)
+    return out_png

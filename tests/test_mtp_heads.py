@@ -1,0 +1,280 @@
+"""mtp_heads / the mtp trainer (ALGORITHMS.md item 54): losses against hand-computed numbers, the trunk frozen bit for
+bit, heads saved where transformers' generate(use_mtp=True) finds them, training inputs aligned with transformers'
+drafting, and refusal of model classes without MTP support."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_ext.host import PluginHost
+from trl_ext.recipe import StageSpec
+from trl_ext.testing import check_plugin_conformance
+from trl_ext.trainers.mtp import (
+    ExtMtpTrainer,
+    MtpConfig,
+    MtpSupportError,
+    check_stage,
+    depth_outputs,
+    draft_target_mask,
+    hard_cross_entropy,
+    mtp_support_problem,
+    soft_cross_entropy,
+    trunk_forward,
+)
+from trl_ext_plugins.mtp.acceptance import measure_acceptance, summarize
+from trl_ext_plugins.mtp.mtp_heads import MtpHeads
+
+LN = math.log
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Losses: numbers from the formulas, written out by hand
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_soft_cross_entropy_matches_hand_computed_value():
+    # Position 0: p = (1/2, 1/4, 1/4), q = (1/4, 1/2, 1/4): -(1/2 ln 1/4 + 1/4 ln 1/2 + 1/4 ln 1/4) = 1.2130076.
+    # Position 1: p = (1/2, 0, 1/2) (a -inf target logit), q = (1/2, 0, 1/2) (a -inf draft logit): ln 2 = 0.6931472;
+    # 0 * log 0 must count as 0, not NaN. Position 2 is masked out and holds an infinite logit.
+    target = torch.tensor([[[LN(.5), LN(.25), LN(.25)], [0.0, -math.inf, 0.0], [math.inf, 0.0, 0.0]]])
+    draft = torch.tensor([[[LN(.25), LN(.5), LN(.25)], [0.0, -math.inf, 0.0], [0.0, 0.0, -math.inf]]],
+                         requires_grad=True)
+    mask = torch.tensor([[True, True, False]])
+    loss = soft_cross_entropy(draft, target, mask)
+    assert loss.item() == pytest.approx((1.2130076 + 0.6931472) / 2, abs=1e-6)
+    loss.backward()
+    # d/d draft_logits of the mean soft CE = (q - p) / (number of counted positions); the masked position gets 0.
+    assert torch.allclose(draft.grad[0, 0], torch.tensor([0.25 - 0.5, 0.5 - 0.25, 0.0]) / 2, atol=1e-6)
+    assert torch.equal(draft.grad[0, 2], torch.zeros(3))
+    assert torch.isfinite(draft.grad).all()
+
+
+def test_soft_target_is_detached():
+    target = torch.tensor([[[1.0, 2.0, 3.0]]], requires_grad=True)
+    soft_cross_entropy(torch.zeros(1, 1, 3, requires_grad=True), target, torch.tensor([[True]])).backward()
+    assert target.grad is None
+
+
+def test_hard_cross_entropy_matches_hand_computed_value():
+    # q = (1/4, 1/2, 1/4), label 1: -ln 1/2 = 0.6931472; second position masked with an out-of-range label.
+    draft = torch.tensor([[[LN(.25), LN(.5), LN(.25)], [0.0, 0.0, 0.0]]])
+    loss = hard_cross_entropy(draft, torch.tensor([[1, 99]]), torch.tensor([[True, False]]))
+    assert loss.item() == pytest.approx(0.6931472, abs=1e-6)
+
+
+def test_nothing_counted_gives_zero_not_nan():
+    draft = torch.zeros(1, 2, 3)
+    none = torch.zeros(1, 2, dtype=torch.bool)
+    assert soft_cross_entropy(draft, draft, none).item() == 0.0
+    assert hard_cross_entropy(draft, torch.zeros(1, 2, dtype=torch.long), none).item() == 0.0
+
+
+def test_counted_positions_are_the_drafted_ones():
+    # Prompt of 2 tokens, 3 completion tokens (length 5): t = 2 (predicting the 2nd completion token) and t = 3
+    # (predicting the 3rd); t = 1 predicts the first completion token (the trunk's own), t = 4 has no next token.
+    mask = draft_target_mask(torch.tensor([2]), torch.tensor([5]), width=6)
+    assert mask.tolist() == [[False, False, True, True, False, False]]
+
+
+def test_acceptance_summary_skips_prefill_steps():
+    figures = summarize([(0, 0), (1, 1), (1, 0), (1, 1)], prompts=1)
+    assert figures.acceptance_length == pytest.approx(2 / 3)
+    assert figures.acceptance_rate == pytest.approx(2 / 3)
+    assert figures.tokens_per_step == pytest.approx(5 / 3)
+    assert (figures.steps, figures.drafted, figures.accepted) == (3, 3, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The model side: on the embedded GLM-4-MoE-shaped model with one MTP layer
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from trl_ext.embedded.models import materialize_model
+
+    return str(materialize_model("tiny-glm4-moe-mtp", tmp_path_factory.mktemp("mtp") / "model", seed=0))
+
+
+def _trainer(model_dir, out, loss="soft", steps=1):
+    from transformers import AutoTokenizer
+
+    rows = Dataset.from_dict({"prompt": ["12+3=", "4+5=", "30+41=", "7+8="] * 2,
+                              "completion": ["15<eos>", "9<eos>", "71<eos>", "15<eos>"] * 2})
+    args = MtpConfig(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-2,
+                     report_to="none", save_strategy="no", logging_steps=1, mtp_loss=loss, seed=0)
+    return ExtMtpTrainer(model_dir, args, rows, AutoTokenizer.from_pretrained(model_dir), plugin_host=PluginHost())
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir, tmp_path_factory):
+    """One soft-loss step from fresh heads; snapshots of trunk and heads before it; the saved folder after it."""
+    out = tmp_path_factory.mktemp("mtp_out")
+    trainer = _trainer(model_dir, out / "ckpt")
+    trunk = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in trainer.policy.named_buffers()}
+    heads = {n: p.detach().clone() for n, p in trainer.head_parameters().items()}
+    trainer.train()
+    trainer.save_model(str(out / "saved"))
+    return trainer, trunk, buffers, heads, str(out / "saved")
+
+
+def test_fresh_heads_use_the_family_initialisation(model_dir, tmp_path):
+    trainer = _trainer(model_dir, tmp_path)
+    heads = trainer.head_parameters()
+    assert all(torch.isfinite(p).all() for p in heads.values())
+    std = trainer.policy.config.initializer_range
+    # Glm4MoePreTrainedModel._init_weights draws experts and router from N(0, initializer_range); MtpModel's generic
+    # init would leave the expert tensors as torch.empty.
+    for name in ("layers.0.mtp_block.mlp.experts.gate_up_proj", "layers.0.mtp_block.mlp.gate.weight"):
+        assert heads[name].std().item() == pytest.approx(std, rel=0.2)
+    bias = dict(trainer.heads.named_buffers())["layers.0.mtp_block.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(bias, torch.zeros_like(bias))
+
+
+def test_one_step_changes_every_head_parameter_and_no_trunk_parameter(trained):
+    trainer, trunk, buffers, heads, _ = trained
+    for name, param in trainer.policy.named_parameters():  # embeddings, layers, final norm, tied LM head
+        assert torch.equal(param, trunk[name]), name
+        assert not param.requires_grad, name
+    for name, buffer in trainer.policy.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    after = trainer.head_parameters()
+    assert set(after) == set(heads) and len(heads) == 16
+    for name, param in after.items():
+        assert not torch.equal(param, heads[name]), f"head parameter {name} did not change"
+
+
+def test_saved_checkpoint_reloads_through_transformers_with_the_heads(trained):
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    trainer, trunk, _, _, saved = trained
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    assert type(model).__name__ == "Glm4MoeForCausalLM"
+    for name, param in model.named_parameters():
+        assert torch.equal(param, trunk[name]), name
+    loaded = dict(MtpModel.from_pretrained(model).named_parameters())  # what MTPCandidateGenerator loads
+    for name, param in trainer.head_parameters().items():
+        assert torch.equal(loaded[name], param), name
+    ids = torch.tensor([[5, 6, 14, 7, 18]])
+    spec = model.generate(ids, use_mtp=True, do_sample=False, max_new_tokens=6)
+    plain = model.generate(ids, do_sample=False, max_new_tokens=6)
+    assert torch.equal(spec, plain)  # greedy speculative decoding is lossless
+
+
+def test_generate_use_mtp_drafts_with_the_saved_heads(trained):
+    figures = measure_acceptance(trained[4], ["12+3=", "4+5="], max_new_tokens=4)
+    assert figures.steps > 0 and figures.drafted == figures.steps  # one MTP layer: one draft per step
+    assert 0 <= figures.accepted <= figures.drafted
+
+
+def test_teacher_forced_depth_logits_equal_transformers_drafts(trained):
+    """The training forward feeds the MTP layer the inputs transformers' drafting loop gives it: each logit vector
+    transformers drafts during generate(use_mtp=True) equals the trainer's at the same position."""
+    from transformers import AutoModelForCausalLM
+
+    saved = trained[4]
+    model = AutoModelForCausalLM.from_pretrained(saved).eval()
+    drafts = []
+    build = model._get_candidate_generator
+
+    def observe(*args, **kwargs):
+        generator = build(*args, **kwargs)
+        get = generator.get_candidates
+
+        def get_and_record(input_ids, **kw):
+            ids, logits = get(input_ids, **kw)
+            if logits is not None:
+                drafts.append((input_ids.shape[1], logits[0, 0].clone()))
+            return ids, logits
+
+        generator.get_candidates = get_and_record
+        return generator
+
+    model._get_candidate_generator = observe
+    prompt = torch.tensor([[5, 6, 14, 7, 18]])
+    sequence = model.generate(prompt, use_mtp=True, do_sample=False, max_new_tokens=5, min_new_tokens=5)
+    assert drafts
+    hidden, logits = trunk_forward(model, sequence, torch.ones_like(sequence))
+    width = sequence.shape[1]
+    mask = draft_target_mask(torch.tensor([prompt.shape[1]]), torch.tensor([width]), width)
+    heads = trained[0].heads
+    with torch.no_grad():
+        ours = depth_outputs(heads, hidden, logits, sequence, mask)[0].logits[0]
+    for length, draft in drafts:  # drafted token x[length]: depth 0 at hidden position j = length - 2
+        # min_new_tokens' logits processor sets eos to -inf in the drafts; every other entry must agree.
+        finite = torch.isfinite(draft)
+        assert (~finite).nonzero().flatten().tolist() == [model.generation_config.eos_token_id]
+        assert torch.allclose(ours[length - 2][finite], draft[finite], atol=1e-4), length
+
+
+def test_hard_loss_trains_too(model_dir, tmp_path):
+    trainer = _trainer(model_dir, tmp_path, loss="hard")
+    before = {n: p.detach().clone() for n, p in trainer.head_parameters().items()}
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.head_parameters().items())
+
+
+def test_heads_load_from_another_checkpoint(trained, model_dir, tmp_path):
+    trainer = _trainer(model_dir, tmp_path)
+    trainer.load_heads(trained[4])
+    for name, param in trainer.head_parameters().items():
+        assert torch.equal(param, trained[0].head_parameters()[name]), name
+    assert trainer.model is trainer.heads
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _stage(model, **extra):
+    return StageSpec(name="mtp", trainer="mtp", model=model, dataset={"source": "embedded:arithmetic"}, **extra)
+
+
+def test_model_class_without_mtp_is_refused_at_validation_naming_the_class():
+    errors = check_stage(_stage("embedded:tiny-qwen2"), {}, "stages[0]")
+    assert len(errors) == 1
+    assert errors[0].startswith("stages[0].model: embedded:tiny-qwen2: Qwen2ForCausalLM has no multi-token-prediction")
+    assert check_stage(_stage("embedded:tiny-glm4-moe-mtp"), {}, "stages[0]") == []
+
+
+def test_layer_count_transformers_cannot_find_is_refused():
+    """DeepSeek-V3's MTP weights are found only at model.layers.61: a 2-layer DeepSeek-V3 cannot carry heads that
+    generate(use_mtp=True) would load, and the message says so."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=8,
+                              kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    problem = mtp_support_problem(DeepseekV3ForCausalLM, config)
+    assert "DeepseekV3ForCausalLM with num_hidden_layers=2" in problem and "layers\\.61" in problem
+    assert "model.layers.2" in problem
+
+
+def test_unknown_class_is_refused_by_the_trainer_before_training(tmp_path):
+    from transformers import AutoTokenizer
+
+    from trl_ext.embedded.models import materialize_model
+
+    folder = str(materialize_model("tiny-qwen2", tmp_path / "qwen2", seed=0))
+    rows = Dataset.from_dict({"prompt": ["1+1="], "completion": ["2<eos>"]})
+    args = MtpConfig(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none")
+    with pytest.raises(MtpSupportError, match="Qwen2ForCausalLM has no multi-token-prediction support"):
+        ExtMtpTrainer(folder, args, rows, AutoTokenizer.from_pretrained(folder), plugin_host=PluginHost())
+
+
+def test_evaluation_and_peft_are_refused_on_mtp_stages():
+    stage = _stage("embedded:tiny-glm4-moe-mtp", peft={"type": "lora"},
+                   evaluation={"dataset": {"source": "embedded:arithmetic"}, "reward": "exact_match"})
+    errors = check_stage(stage, {}, "stages[0]")
+    assert [e.split(":")[0] for e in errors] == ["stages[0].evaluation", "stages[0].peft"]
+
+
+def test_plugin_conformance_and_required_held_out():
+    check_plugin_conformance(MtpHeads)
+    with pytest.raises(Exception, match="held_out"):
+        MtpHeads.Params()
