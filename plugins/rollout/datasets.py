@@ -27,4 +27,10 @@ def arithmetic_proposals(split: str = "train", format: str = "prompt", seed: int
     return Dataset.from_list(rows)
 
 
-DATASETS = {"arithmetic_proposals": arithmetic_proposals}
+def _calc_tool(*args, **kwargs) -> Dataset:
+    from trl_ext_plugins.rollout.tool_task import calc_tool_trajectories
+
+    return calc_tool_trajectories(*args, **kwargs)
+
+
+DATASETS = {"arithmetic_proposals": arithmetic_proposals, "calc_tool": _calc_tool}

@@ -1,0 +1,91 @@
+"""``pivot_rl`` (ALGORITHMS.md item 9): pivot selection on hand-built profiles, functional matching of tool calls,
+the embedded calculator tool task, the pivot split built from (cached) profiles of the frozen tiny model, the reward,
+and trajectories without assistant turns refused at validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import StageSpec
+from trl_ext.runner import RunContext, _CURRENT_RUN
+from trl_ext.stage import resolve_stage
+from trl_ext_plugins.rollout.control_math import is_pivot
+from trl_ext_plugins.rollout.pivot_rl import PivotRL, expert_turn_rows
+from trl_ext_plugins.rollout.tool_task import assistant_turns, calc_tool_trajectories, functional_match, tool_trajectory
+
+
+def test_item_9_pivot_selection_by_hand():
+    assert is_pivot([1, 0, 0, 0], max_success=0.5)  # var > 0, mean 0.25 < 0.5
+    assert not is_pivot([1, 1, 1, 1], 0.5) and not is_pivot([0, 0, 0, 0], 0.5)  # no variance: zero GRPO advantage
+    assert not is_pivot([1, 1, 1, 0], 0.5)  # mean 0.75: the policy already succeeds mostly
+    assert is_pivot([1, 1, 1, 0], 0.8)
+    assert not is_pivot([1, 1, 0, 0], 0.5)  # mean 0.5 is not below 0.5
+
+
+def test_functional_match():
+    assert functional_match("add(3,12)", "add(12,3)")  # commutative: argument order free
+    assert not functional_match("sub(3,12)", "sub(12,3)")
+    assert functional_match(" add( 12 , 3 ) ", "add(12,3)") and functional_match("mul(46,2.0)", "mul(46,2)")
+    assert functional_match("add(012,3)", "add(12,3)")  # numbers by value
+    assert functional_match("ans(92)<eos>", "ans(92)") and functional_match("ans(92)\nT:", "ans(92)")
+    assert not functional_match("add(12,3,1)", "add(12,3)") and not functional_match("mul(12,3)", "add(12,3)")
+    assert not functional_match("add(12,4)", "add(12,3)") and not functional_match("xx", "add(12,3)")
+
+
+def test_tool_task_trajectory_and_turns():
+    messages = tool_trajectory(12, "add", 34, "mul", 2)
+    assert [m["content"] for m in messages] == ["(12+34)*2?", "add(12,34)", "46", "mul(46,2)", "92", "ans(92)"]
+    turns = assistant_turns(messages)
+    assert turns[1] == ("U:(12+34)*2?\nA:add(12,34)\nT:46\nA:", "mul(46,2)")
+    assert len(calc_tool_trajectories(size=5)) == 5 and len(calc_tool_trajectories(size=5, format="turns")) == 15
+    rows = expert_turn_rows([messages, messages[:2]])
+    assert [(r["trajectory"], r["turn"]) for r in rows] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    with pytest.raises(ValueError, match="trajectory 1 .* has no assistant turn"):
+        expert_turn_rows([messages, [{"role": "user", "content": "hi"}]])
+
+
+def test_trajectories_without_assistant_turns_are_refused_at_validation(trl_ext_catalog, register_plugin, tmp_path):
+    register_plugin(PivotRL)
+    path = tmp_path / "expert.jsonl"
+    rows = [{"messages": tool_trajectory(1, "add", 2, "mul", 3)},
+            {"messages": [{"role": "user", "content": "(1+2)*3?"}, {"role": "tool", "content": "9"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": str(path)}, plugins=["pivot_rl"])
+    with pytest.raises(RecipeError) as err:
+        resolve_stage(stage, 0, trl_ext_catalog)
+    assert "plugin 'pivot_rl'" in str(err.value) and "trajectory 1 ('messages') has no assistant turn" in str(err.value)
+    stage = StageSpec(trainer="grpo", model="m", dataset={"source": "embedded:arithmetic"}, plugins=["pivot_rl"])
+    with pytest.raises(RecipeError, match="has no column 'messages'"):
+        resolve_stage(stage, 0, trl_ext_catalog)
+
+
+def test_pivot_split_from_hand_built_and_sampled_profiles(tiny_model_dir, trl_ext_catalog, tmp_path):
+    token = _CURRENT_RUN.set(RunContext(recipe=None, output_dir=tmp_path / "run", catalog=trl_ext_catalog))
+    try:
+        data = calc_tool_trajectories(size=2)  # 6 assistant turns
+        stage = StageSpec(trainer="grpo", model=tiny_model_dir, dataset={"source": "embedded:calc_tool"})
+        plugin = PivotRL(PivotRL.Params(k=4, max_new_tokens=6))
+        with pytest.raises(ValueError, match="no pivot among 6 assistant turns"):  # the untrained model never matches
+            plugin.trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
+        assert plugin.profiles == [[0.0] * 4] * 6
+        # a hand-built profile in place of the cached one: turns 1 and 4 are pivots
+        cache = next((tmp_path / "run" / "_cache" / "pivot_rl").glob("*.json"))
+        hand = [[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0]]
+        cache.write_text(json.dumps({"profiles": hand}))
+        pivots = PivotRL(PivotRL.Params(k=4, max_new_tokens=6, max_success=0.6)).trl_ext_prepare_dataset(
+            dataset=data, split="train", stage=stage)
+        turns = expert_turn_rows(data["messages"])
+        assert pivots["prompt"] == [turns[i]["prompt"] for i in (1, 4, 5)]
+        assert pivots["profile_mean"] == [0.25, 0.5, 0.5] and pivots["expert_action"][0] == turns[1]["expert_action"]
+    finally:
+        _CURRENT_RUN.reset(token)
+
+
+def test_reward_is_the_functional_match_with_the_expert_action():
+    (reward,) = PivotRL().trl_ext_reward_functions(stage=None)
+    assert reward.name == "pivot_rl"
+    assert reward.fn(completions=["add(34,12)", "sub(34,12)", "ans(9)"],
+                     expert_action=["add(12,34)", "sub(12,34)", "ans(9)"]) == [1.0, 0.0, 1.0]
