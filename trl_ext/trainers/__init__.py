@@ -14,6 +14,7 @@ from trl import DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, RewardConf
 
 from trl_ext.plugin import Need
 from trl_ext.trainers.merge import MergeConfig
+from trl_ext.trainers.mtp import MtpConfig
 from trl_ext.trainers.prm import PRMConfig
 
 
@@ -103,6 +104,18 @@ def _check_merge(host, stage, args, where):
     return check_stage(host, stage, args, where)
 
 
+def _build_mtp(ctx):
+    from trl_ext.trainers.mtp import ExtMtpTrainer
+
+    return ExtMtpTrainer(model=ctx.model, **_common(ctx))
+
+
+def _check_mtp(host, stage, args, where):
+    from trl_ext.trainers.mtp import check_stage
+
+    return check_stage(stage, args, where)
+
+
 def _build_distillation(ctx):
     from trl_ext.trainers.others import ExtDistillationTrainer
 
@@ -176,5 +189,7 @@ TRAINER_KINDS: dict[str, TrainerKind] = {
                     columns=(frozenset({"prompt", "completions", "labels"}),)),
         TrainerKind("distillation", DistillationConfig, _build_distillation, _teacher_caps, reads_teacher=True),
         TrainerKind("merge", MergeConfig, _build_merge, lambda s, a: set(), check=_check_merge),  # plugins merge
+        TrainerKind("mtp", MtpConfig, _build_mtp, lambda s, a: set(), check=_check_mtp,
+                    columns=(frozenset({"prompt", "completion"}), frozenset({"prompt_ids", "completion_ids"}))),
     ]
 }
