@@ -165,3 +165,37 @@ def test_training_step_logs_per_environment_metrics(tiny_trainer, catalog):
             "rewards/add/exact_match/mean", "rewards/mul/flaky/mean"} <= logged
     shares = [row["multi_env/add/share"] for row in trainer.state.log_history if "multi_env/add/share" in row]
     assert shares and all(s == 0.5 for s in shares)
+
+
+@pytest.mark.slow
+def test_recipe_run_writes_per_environment_metrics_plot_and_heldout(tmp_path):
+    """Through the runner: per-environment rewards in metrics.jsonl, the per-environment plot, and held-out scores
+    before and after for every environment."""
+    import json
+
+    from trl_ext.catalog import Catalog
+    from trl_ext.recipe import parse_recipe
+    from trl_ext.runner import run_recipe
+
+    def env(name, op):
+        return {"name": name, "dataset": arithmetic(op, 32),
+                "eval_dataset": arithmetic(op, 16, split="test"), "rewards": ["exact_match"]}
+
+    recipe = parse_recipe({
+        "seed": 0, "trainer": "grpo", "model": "embedded:tiny-qwen2", "dataset": arithmetic("+", 32),
+        "plugins": [{"multi_env": {"environments": [env("add", "+"), env("mul", "*")]}}],
+        "args": {"max_steps": 3, "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 4,
+                 "logging_steps": 1, "save_strategy": "no", "gradient_checkpointing": False},
+    })
+    summary = run_recipe(recipe, tmp_path / "run", Catalog.discover(), echo=lambda m: None)
+    stage_dir = tmp_path / "run" / "main"
+    rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = {k for r in rows for k in r}
+    assert {"rewards/add/exact_match/mean", "rewards/mul/exact_match/mean", "multi_env/add/share",
+            "multi_env/mul/share"} <= keys
+    assert all(r["multi_env/add/share"] == 0.5 for r in rows if "multi_env/add/share" in r)
+    evaluation = json.loads((stage_dir / "multi_env_eval.json").read_text())
+    assert set(evaluation) == {"add", "mul"}
+    assert all(evaluation[e]["before"]["n"] == 16 and evaluation[e]["after"]["n"] == 16 for e in evaluation)
+    assert (stage_dir / "multi_env.png").stat().st_size > 0
+    assert summary["stages"]["main"]["multi_env_eval"] == evaluation

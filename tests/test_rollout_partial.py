@@ -186,3 +186,36 @@ def test_buffer_survives_checkpoint_and_resume(tiny_trainer, tmp_path):
     restore.on_train_begin(trainer.args, trainer.state, trainer.control)
     assert fresh.buffer_state() == state and fresh.buffer
     assert [s.ids for g in fresh.buffer for s in g.samples] == [s.ids for g in plugin.buffer for s in g.samples]
+
+
+@pytest.mark.slow
+def test_training_checkpoint_mid_iteration_resumes_the_buffer(tiny_trainer, tmp_path):
+    """Real training: a checkpoint at step 1 holds the unfinished groups; a new trainer resuming from it continues them
+    (its first rollout resumes exactly the saved trajectories, prefixes byte-identical)."""
+    from transformers import TrainerCallback
+
+    args = {"per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 12,
+            "temperature": 1.0, "max_steps": 1, "save_strategy": "steps", "save_steps": 1, "seed": 3}
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    first = PartialRollout(PartialRollout.Params(finish_fraction=0.5))
+    trainer = tiny_trainer("grpo", plugins=[first], dataset=data, args=args)
+    eos_bias(trainer)
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    assert (checkpoint / "partial_rollout_rank0.json").exists()
+    saved = first.buffer_state()
+    assert saved, "expected unfinished groups at lambda 0.5 (seeded)"
+
+    class SeeBuffer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.seen = second.buffer_state()
+
+    second = PartialRollout(PartialRollout.Params(finish_fraction=0.5))
+    resumed = tiny_trainer("grpo", plugins=[second], dataset=data, args={**args, "max_steps": 2})
+    eos_bias(resumed)
+    probe = SeeBuffer()
+    resumed.add_callback(probe)  # after the plugin's callback, which restores the buffer on train begin
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert probe.seen == saved
+    unfinished = sum(not s["finished"] for g in saved for s in g["samples"])
+    assert second.history[0]["partial_rollout/resumed_trajectories"] == unfinished
