@@ -273,3 +273,91 @@ def test_ppo_honours_the_tool_mask_in_gae():
     plugin.critic.eval = lambda: None
     out = plugin.trl_ext_compute_advantages(rewards=torch.tensor([1.0]), batch=batch)
     assert close(out, [[0.4705, 0.39, 0.0, 0.2]], abs=1e-6)
+
+
+# -- defect 5: log-probs under truncated sampling (top-k / top-p / min-p) ------------------------------------------------
+
+LOGITS = [2.0, 1.0, 0.0, -1.0]
+LSE_ALL = math.log(sum(math.exp(v) for v in LOGITS))  # full softmax normaliser
+LSE_TOP2 = math.log(math.exp(2.0) + math.exp(1.0))  # normaliser over the two kept tokens
+
+
+@pytest.mark.parametrize("sampling, token, expected", [
+    # top-k 2 keeps tokens {0, 1}: log p(0) = 2 - log(e^2 + e^1) = -0.313262
+    ({"top_k": 2}, 0, 2.0 - LSE_TOP2),
+    # top-p 0.7: p = [0.6439, 0.2369, 0.0871, 0.0321]; mass above token 1 is 0.6439 < 0.7 (kept), above token 2 is
+    # 0.8808 (dropped): support {0, 1}, log p(1) = 1 - log(e^2 + e) = -1.313262
+    ({"top_p": 0.7}, 1, 1.0 - LSE_TOP2),
+    # min-p 0.2: threshold 0.2 * 0.6439 = 0.1288 keeps {0, 1}
+    ({"min_p": 0.2}, 1, 1.0 - LSE_TOP2),
+    # temperature 0.5 then top-k 3: logits [4, 2, 0, -2], keep 3: log p(2) = 0 - log(e^4 + e^2 + 1)
+    ({"temperature": 0.5, "top_k": 3}, 2, -math.log(math.exp(4) + math.exp(2) + 1)),
+    # a token outside the support has probability 0
+    ({"top_k": 2}, 3, float("-inf")),
+    # no truncation: the full softmax
+    ({}, 0, 2.0 - LSE_ALL),
+])
+def test_truncated_distribution_by_hand(sampling, token, expected):
+    logits = torch.tensor([[LOGITS]])
+    got = ops.truncated_token_logprobs(logits, torch.tensor([[token]]), **sampling).item()
+    assert got == pytest.approx(expected, abs=1e-6) if math.isfinite(expected) else got == expected
+
+
+@pytest.mark.parametrize("sampling", [{"top_k": 2}, {"top_p": 0.7}, {"min_p": 0.2}, {"temperature": 0.5, "top_k": 3}])
+def test_rollout_records_the_renormalised_truncated_distribution(sampling):
+    # The rollout_logprobs plugin records log_softmax of the scores transformers sampled from; those scores come from
+    # generate's own logits processors for these settings, so the recorded log-prob is the truncated one above.
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    from trl_ext_plugins.rollout.rollout_logprobs import sampled_token_logprobs
+
+    config = GenerationConfig(do_sample=True, **{"top_k": 0, **sampling})
+    processors = LogitsProcessorList([TemperatureLogitsWarper(config.temperature or 1.0)])
+    if config.top_k:
+        processors.append(TopKLogitsWarper(config.top_k))
+    if config.top_p is not None and config.top_p < 1:
+        processors.append(TopPLogitsWarper(config.top_p))
+    if config.min_p:
+        processors.append(MinPLogitsWarper(config.min_p))
+    scores = processors(torch.zeros(1, 1, dtype=torch.long), torch.tensor([LOGITS]))
+    for token in range(4):
+        recorded = sampled_token_logprobs((scores,), torch.tensor([[token]])).item()
+        ours = ops.truncated_token_logprobs(torch.tensor([[LOGITS]]), torch.tensor([[token]]), **sampling).item()
+        assert recorded == pytest.approx(ours, abs=1e-6) or recorded == ours == float("-inf")
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose logits predicting the completion token are LOGITS (prompt of one token, completion of one)."""
+
+    def forward(self, input_ids, attention_mask):
+        logits = torch.zeros(input_ids.size(0), input_ids.size(1), 4)
+        logits[:, -2] = torch.tensor(LOGITS)
+        return SimpleNamespace(logits=logits)
+
+
+@pytest.mark.parametrize("support, expected_rho", [
+    # full: rho = pi_old(full softmax) / pi_rollout(top-2) = e^(-LSE_ALL) / e^(-LSE_TOP2) = kept mass 0.880797 (biased)
+    ("full", math.exp(LSE_TOP2 - LSE_ALL)),
+    # sampled: pi_old renormalised over the same top-2 support -> rho = 1 (no mismatch, no bias)
+    ("sampled", 1.0),
+])
+def test_tis_rho_on_the_sampled_support(support, expected_rho):
+    from trl_ext_plugins.corrections.tis import TIS, TISParams
+
+    li = loss_inputs([2.0 - LSE_ALL], rollout=[2.0 - LSE_TOP2])
+    li.extra.update(model=FixedLogits(), completion_ids=torch.tensor([[0]]), prompt_ids=torch.tensor([[0]]),
+                    prompt_mask=torch.ones(1, 1, dtype=torch.long), completion_mask=torch.ones(1, 1, dtype=torch.long),
+                    sampling_params={"temperature": 1.0, "top_k": 2, "top_p": 1.0, "min_p": None})
+    weights = TIS(TISParams(support=support, upper=5.0)).trl_ext_token_weights(inputs=li)
+    assert weights.weight.item() == pytest.approx(expected_rho, abs=1e-6)
+
+
+def test_sampled_support_is_refused_off_policy():
+    from trl_ext_plugins.corrections.mis import MIS, MISParams
+
+    plugin = MIS(MISParams(support="sampled"))
+    assert plugin.trl_ext_validate_stage(stage=SimpleNamespace(args={}), plugins=[]) is None
+    errors = plugin.trl_ext_validate_stage(stage=SimpleNamespace(args={"num_iterations": 2}), plugins=[])
+    assert errors and "plugins.mis.support" in errors[0]

@@ -154,3 +154,40 @@ class KLTerm:
         ``bias_correction`` is on."""
         kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator, self.clamp)
         return kl * ratio if self.bias_correction and ratio is not None else kl
+
+
+# -- truncated sampling (top-k / top-p / min-p) -----------------------------------------------------------------------
+
+
+def truncated_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                     top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
+    """The logits of the distribution a sampler with these settings actually draws from: divided by ``temperature``,
+    then, in transformers' order, top-k (keep the k largest), top-p (keep the smallest set of most likely tokens whose
+    mass reaches p: a token is kept when the mass of the tokens ranked above it is < p) and min-p (keep tokens with
+    probability >= min_p * the top probability), each computed on the distribution the previous step left. Removed
+    tokens get -inf, so ``log_softmax`` of the result is the renormalised truncated distribution. At least one token
+    (the most likely) is always kept. ``top_k`` 0/None, ``top_p`` None/1 and ``min_p`` None/0 switch a step off."""
+    x = logits.float() / temperature
+    neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = torch.where(x < kth, neg_inf, x)
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(x, dim=-1)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_above = sorted_probs.cumsum(-1) - sorted_probs
+        keep_sorted = mass_above < top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        x = torch.where(keep, x, neg_inf)
+    if min_p:
+        probs = torch.softmax(x, dim=-1)
+        keep = probs >= min_p * probs.amax(-1, keepdim=True)
+        x = torch.where(keep, x, neg_inf)
+    return x
+
+
+def truncated_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, **sampling) -> torch.Tensor:
+    """Log-probs of ``tokens`` ``(B, T)`` under the truncated, renormalised sampling distribution of ``logits``
+    ``(B, T, V)`` (:func:`truncated_logits`); -inf for a token outside the kept support."""
+    return torch.log_softmax(truncated_logits(logits, **sampling), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

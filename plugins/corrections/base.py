@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Literal
 
-from trl_ext import Need, Plugin, hookimpl
+import torch
+from pydantic import Field
+
+from trl_ext import Need, Plugin, PluginParams, hookimpl, ops
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.corrections import math
+
+
+class CorrectionParams(PluginParams):
+    support: Literal["full", "sampled"] = Field(
+        "full", description="Support of the trainer-side log pi_old in rho. full: the trainer's full-vocabulary "
+        "log-probs (TRL, verl). sampled: renormalised over the support the sampler kept (args.temperature, top_k, "
+        "top_p, min_p), like the rollout log-probs, so truncated sampling does not bias rho (costs one no-grad "
+        "forward with full logits per micro-batch; on-policy batches only: num_iterations 1 and steps_per_generation "
+        "<= gradient_accumulation_steps).")
+
+
+def sampler_support_logps(inputs) -> torch.Tensor:
+    """log pi_old of the sampled tokens renormalised over the sampler's kept support, ``(B, T)``, detached.
+
+    One no-grad forward of the loss's model (on-policy: its weights are still pi_old's) with full logits, truncated
+    as the sampler truncated them (:func:`trl_ext.ops.truncated_logits`)."""
+    extra = inputs.extra
+    completion_ids = extra["completion_ids"]
+    input_ids = torch.cat([extra["prompt_ids"], completion_ids], dim=1)
+    attention_mask = torch.cat([extra["prompt_mask"], extra["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = extra["model"](input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = logits[:, -completion_ids.size(1) - 1 : -1]
+        return ops.truncated_token_logprobs(logits, completion_ids, **extra["sampling_params"])
 
 
 class RolloutCorrection(Plugin):
@@ -18,6 +45,11 @@ class RolloutCorrection(Plugin):
     sets it true is refused, naming the plugin). Logs, per micro-batch, ``<name>/logp_diff/{mean,max}``,
     ``<name>/changed_fraction`` (tokens truncated or masked) and ``<name>/weight/{min,mean,max}``.
     Subclasses implement :meth:`weights` returning ``(weight, changed)`` from rho's log.
+
+    Truncated sampling (issue 10 defect 5): the rollout log-probs are those of the distribution actually sampled
+    (renormalised over the top-k/top-p/min-p support; vLLM's processed log-probs, ``rollout_logprobs``), while TRL's
+    pi_old is the full-vocabulary softmax, so rho = pi_old/pi_rollout is biased below 1 by the kept mass. Parameter
+    ``support: sampled`` renormalises pi_old over the same support (``full``, the default, keeps TRL's/verl's rho).
     """
 
     family = "correction"
@@ -34,11 +66,26 @@ class RolloutCorrection(Plugin):
         return {"vllm_importance_sampling_correction": False}
 
     @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        if getattr(self.params, "support", "full") != "sampled":
+            return None
+        args = stage.args
+        accumulation = args.get("gradient_accumulation_steps", 1)
+        if args.get("num_iterations", 1) > 1 or (args.get("steps_per_generation") or accumulation) > accumulation:
+            return [f"plugins.{self.name}.support: 'sampled' recomputes pi_old from the current weights, so it needs "
+                    f"on-policy batches (args.num_iterations 1, args.steps_per_generation <= "
+                    f"gradient_accumulation_steps)"]
+        return None
+
+    @hookimpl
     def trl_ext_token_weights(self, inputs):
         if inputs.sampling_per_token_logps is None:
             raise RuntimeError(f"plugin {self.name!r}: the batch carries no sampling log-probs; generate with vLLM "
                                "or select the 'rollout_logprobs' plugin")
-        log_rho = math.rollout_log_rho(inputs.old_per_token_logps, inputs.sampling_per_token_logps, inputs.mask)
+        old = inputs.old_per_token_logps
+        if getattr(self.params, "support", "full") == "sampled":
+            old = ops.where_mask(sampler_support_logps(inputs), inputs.mask)
+        log_rho = math.rollout_log_rho(old, inputs.sampling_per_token_logps, inputs.mask)
         weight, changed = self.weights(log_rho, inputs.mask)
         inputs.metrics.update({f"{self.name}/{k}": v for k, v in
                                math.mismatch_stats(log_rho, weight, changed, inputs.mask).items()})

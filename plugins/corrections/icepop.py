@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from trl_ext import PluginParams
 from trl_ext_plugins.corrections import math
-from trl_ext_plugins.corrections.base import RolloutCorrection
+from trl_ext_plugins.corrections.base import CorrectionParams, RolloutCorrection
 
 
-class IcePopParams(PluginParams):
+class IcePopParams(CorrectionParams):
     beta: float = Field(2.0, gt=1, description="Band [1/beta, beta] unless `lower` is set (GLM-5: 2; the original "
                                                "IcePop / verl / OpenRLHF use [0.5, 5]).")
     lower: float | None = Field(None, gt=0, description="Explicit lower bound alpha (None: 1/beta).")

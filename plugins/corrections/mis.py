@@ -6,12 +6,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from trl_ext import PluginParams
 from trl_ext_plugins.corrections import math
-from trl_ext_plugins.corrections.base import RolloutCorrection
+from trl_ext_plugins.corrections.base import CorrectionParams, RolloutCorrection
 
 
-class MISParams(PluginParams):
+class MISParams(CorrectionParams):
     upper: float = Field(2.0, gt=0, description="C: rho above C is masked.")
     lower: float | None = Field(0.5, ge=0, description="Rho below this is masked (default 1/C = 0.5; None: no lower "
                                                        "bound, TRL's clip_min default).")

@@ -6,12 +6,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from trl_ext import PluginParams
 from trl_ext_plugins.corrections import math
-from trl_ext_plugins.corrections.base import RolloutCorrection
+from trl_ext_plugins.corrections.base import CorrectionParams, RolloutCorrection
 
 
-class TISParams(PluginParams):
+class TISParams(CorrectionParams):
     upper: float = Field(2.0, gt=0, description="C: weights are min(rho, C).")
     lower: float | None = Field(None, ge=0, description="Optional lower clamp of rho (None: upper-only, as the blog).")
     level: Literal["token", "sequence"] = Field("token", description="token: rho per token (TRL token_truncate); "

@@ -335,6 +335,10 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             beta=self.beta,
             extra={
                 "completion_ids": completion_ids,
+                # for extra forward passes of the sequences (e.g. pi_old on the sampler's support, corrections)
+                "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_mask": completion_mask,
+                "sampling_params": {"temperature": self.temperature, "top_k": self.args.top_k,
+                                    "top_p": self.args.top_p, "min_p": self.args.min_p},
                 "model": model,  # the (possibly DDP-wrapped) model this loss runs, for extra forward passes
                 "sapo_tau_pos": self.args.sapo_temperature_pos,
                 "sapo_tau_neg": self.args.sapo_temperature_neg,
