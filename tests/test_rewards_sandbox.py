@@ -53,7 +53,7 @@ def _sandbox_processes():
             uid = int(next(l for l in status.read_text().splitlines() if l.startswith("Uid:")).split()[1])
         except (OSError, StopIteration, ValueError):
             continue
-        if sandbox._UID_BASE <= uid < sandbox._UID_BASE + sandbox._UID_SPAN:
+        if uid in sandbox._UIDS.handed_out:  # uids this test process gave its sandboxes
             found.append(status.parent.name)
     return found
 

@@ -271,6 +271,7 @@ class _UidPool:
     def __init__(self):
         self._lock = threading.Lock()
         self._in_use: set[int] = set()
+        self.handed_out: set[int] = set()  # every uid this process used (lets tests look for leftovers of their own)
         self._next = itertools.count(random.randrange(_UID_SPAN))  # other trainer processes start elsewhere
 
     def take(self) -> int:
@@ -279,6 +280,7 @@ class _UidPool:
                 uid = _UID_BASE + next(self._next) % _UID_SPAN
                 if uid not in self._in_use:
                     self._in_use.add(uid)
+                    self.handed_out.add(uid)
                     return uid
 
     def give_back(self, uid: int) -> None:
@@ -339,6 +341,16 @@ class SampleCgroups:
                     time.sleep(0.01)
 
 
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        try:
+            count += entry.name.isdigit() and entry.stat().st_uid == uid
+        except OSError:
+            pass
+    return count
+
+
 def _write(path: Path, value) -> None:
     path.write_text(str(value))
 
@@ -354,7 +366,11 @@ def _preexec(limits: SandboxLimits, uid: int | None, procs_files: list[bytes], t
 
     Only pre-built bytes and pre-resolved functions are used here (the trainer may have other threads).
     """
-    nproc = limits.max_processes if not whole_sandbox else max(limits.max_processes * 4, 256)
+    # RLIMIT_NPROC counts every process of the uid: exact for a sample's own uid (root), an allowance on top of what the
+    # trainer's uid already runs otherwise; with a pids cgroup it is only a backstop.
+    nproc = limits.max_processes + (0 if uid is not None else _processes_of(os.getuid()))
+    if whole_sandbox:
+        nproc = max(nproc * 4, 256)
     rlimits = [(resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_NOFILE, limits.open_files),
                (resource.RLIMIT_CORE, 0)]
     if uid is not None or not whole_sandbox:

@@ -85,14 +85,15 @@ def score_candidates(codes: list[str], tests: list[tuple[Test, ...] | None], par
     pair still gets a fresh sandbox of its own.
     """
     workers = params.max_workers or os.cpu_count() or 1
-    distinct = list(dict.fromkeys((code, t) for code, t in zip(codes, tests) if t))
+    keys = [(code, repr(t)) if t else None for code, t in zip(codes, tests)]  # tests may hold unhashable values
+    distinct = {key: i for i, key in reversed(list(enumerate(keys))) if key is not None}
 
-    def one(pair) -> list[str]:
-        return run_tests(pair[0], pair[1], params)
+    def one(i: int) -> list[str]:
+        return run_tests(codes[i], tests[i], params)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        verdicts = dict(zip(distinct, pool.map(one, distinct)))
-    return [verdicts[(code, t)] if t else None for code, t in zip(codes, tests)]
+        verdicts = dict(zip(distinct, pool.map(one, distinct.values())))
+    return [verdicts[key] if key is not None else None for key in keys]
 
 
 def verdict_metrics(name: str, all_verdicts: list[list[str] | None]) -> dict[str, float]:
