@@ -1,0 +1,127 @@
+"""``bond``: Best-of-N distillation with the Jeffreys divergence, and J-BOND's moving (EMA) anchor."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from transformers import TrainerCallback
+
+from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext_plugins.distill import math as dm
+
+BEST_KEY = "bond_best"  # per-row flag handed to the loss: this sample is its group's best (a BoN sample)
+
+
+class BONDParams(PluginParams):
+    beta: float = Field(0.5, ge=0.0, le=1.0, description="Jeffreys weight: J = (1 - beta) KL(pi_BoN || pi) + beta "
+                                                          "KL(pi || pi_BoN); 0: pure forward KL (SFT on best-of-N), "
+                                                          "1: pure reverse KL (RL). Paper default 0.5.")
+    n: int | None = Field(None, ge=2, description="N of best-of-N (None: args.num_generations, so each group's best "
+                                                  "sample is a best-of-N sample).")
+    anchor: Literal["reference", "ema"] = Field("reference", description="`reference`: KL to the fixed initial "
+                                                                         "policy (BOND); `ema`: the KL anchor is an "
+                                                                         "EMA of the policy (J-BOND).")
+    ema_rate: float = Field(0.02, gt=0.0, le=1.0, description="J-BOND anchor update rate per optimizer step "
+                                                              "(anchor <- (1 - rate) anchor + rate policy).")
+
+
+class BOND(Plugin):
+    """BOND (Sessa et al., ICLR 2025, arXiv 2407.14622): distil the best-of-N policy
+    ``log pi_BoN(y) = log pi_ref(y) + log N + (N - 1) log p_le(y)`` into the policy with the Jeffreys divergence
+    ``J_beta = (1 - beta) KL(pi_BoN || pi) + beta KL(pi || pi_BoN)``.
+
+    Implemented on the GRPO trainer, per group of ``G = num_generations`` samples of a prompt:
+
+    * backward part (``beta``): ``KL(pi || pi_BoN)`` is RL with reward ``(N - 1) log p_le(y)`` and KL coefficient 1 to
+      the anchor, scaled by ``beta``: sequence advantage ``beta (N - 1) (log p_le - mean_group log p_le)`` (the group
+      mean is a variance-reducing baseline) and TRL's KL term with ``args.beta = beta`` (set by the plugin; the
+      reference model is TRL's);
+    * forward part (``1 - beta``): ``KL(pi_BoN || pi)`` is SFT on best-of-N samples: the NLL of each group's
+      highest-reward sample (first on ties), token mean over those samples in the micro-batch, weight ``1 - beta``,
+      added through ``trl_ext_extra_loss``.
+
+    Conventions: ``p_le(y)`` is estimated from the group itself (the G samples act as the anchor's samples, the sample
+    counts itself, ties are "<=", so ``p_le >= 1/G`` and the log is finite); samples come from the current policy,
+    which is J-BOND's on-policy regime rather than BOND's sampling from ``pi_ref``. ``anchor: ema`` makes TRL's
+    reference model an exponential moving average of the policy (updated after every optimizer step with
+    ``ema_rate``, J-BOND default about 0.02, not verified), so the KL regulariser follows a moving anchor; J-BOND's
+    additional KL to the initial reference is not added. Defaults: ``beta = 0.5``, ``N = num_generations``.
+    """
+
+    name = "bond"
+    family = "distill"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.ADVANTAGE})
+    Params = BONDParams
+
+    @hookimpl
+    def trl_ext_configure_args(self, trainer, args):
+        return {"beta": self.params.beta}
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        if self.params.n is not None and self.params.n != stage.args.get("num_generations", 8):
+            return [f"plugin 'bond': params.n={self.params.n} must equal args.num_generations "
+                    f"({stage.args.get('num_generations', 8)}): the group's best sample is the best-of-N sample"]
+        return []
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        group = batch.num_generations
+        n = self.params.n or group
+        advantages = bond_advantages(torch.nan_to_num(rewards.float(), nan=float("-inf")), group, n, self.params.beta)
+        best = best_in_group(torch.nan_to_num(rewards.float(), nan=float("-inf")), group)
+        batch.loss_extras[BEST_KEY] = best[batch.process_slice].to(batch.completion_mask.device)
+        batch.metrics["bond/best_reward"] = rewards[best.bool()].nanmean().item()
+        return advantages[batch.process_slice].to(batch.completion_mask.device)
+
+    @hookimpl
+    def trl_ext_extra_loss(self, inputs):
+        if self.params.beta == 1.0:
+            return None
+        best = inputs.extra[BEST_KEY].to(inputs.mask.dtype).unsqueeze(1)
+        nll = bon_nll(inputs.per_token_logps, inputs.mask * best)
+        inputs.metrics["bond/bon_nll"] = nll.item()
+        return (1.0 - self.params.beta) * nll / inputs.grad_accum_steps
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        if self.params.anchor == "ema":
+            trainer.add_callback(EMAAnchor(trainer, self.params.ema_rate))
+
+
+def bond_advantages(rewards: torch.Tensor, group_size: int, n: int, beta: float) -> torch.Tensor:
+    """``beta (N - 1) (log p_le - group mean of log p_le)`` per sample, ``(N_rows,)``."""
+    log_p = torch.log(dm.group_p_le(rewards, group_size)).view(-1, group_size)
+    return (beta * (n - 1) * (log_p - log_p.mean(dim=1, keepdim=True))).reshape(-1)
+
+
+def best_in_group(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """1.0 for each group's highest-reward row (the first one on ties), else 0.0, ``(N_rows,)``."""
+    grouped = rewards.view(-1, group_size)
+    best = torch.zeros_like(grouped)
+    best.scatter_(1, grouped.argmax(dim=1, keepdim=True), 1.0)
+    return best.reshape(-1)
+
+
+def bon_nll(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean NLL over the masked tokens (0 with a graph when none are masked in)."""
+    total = torch.where(mask.bool(), -per_token_logps, torch.zeros_like(per_token_logps)).sum()
+    return total / mask.sum().clamp(min=1.0)
+
+
+class EMAAnchor(TrainerCallback):
+    """After each optimizer step, move TRL's reference model towards the policy (J-BOND's moving anchor)."""
+
+    def __init__(self, trainer, rate: float):
+        self.trainer, self.rate = trainer, rate
+
+    def on_step_end(self, args, state, control, **kwargs):
+        ref = getattr(self.trainer, "ref_model", None)
+        if ref is None:
+            return
+        policy = dict(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
+        anchor = dict(self.trainer.accelerator.unwrap_model(ref).named_parameters())
+        dm.ema_update({k: v.data for k, v in anchor.items()}, {k: policy[k].data for k in anchor}, self.rate)

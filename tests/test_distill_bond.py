@@ -1,0 +1,75 @@
+"""``bond``: BoN log-density advantages by hand, the forward (SFT on best-of-N) term, the EMA anchor, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import StageSpec
+from trl_ext.stage import resolve_stage
+from trl_ext_plugins.distill.bond import BEST_KEY, BOND, BONDParams, best_in_group, bon_nll, bond_advantages
+
+
+def test_advantages_by_hand():
+    # rewards [1, 0, 1, 0]: p_le = [1, .5, 1, .5], log p_le = [0, -ln2, 0, -ln2], group mean -ln2/2;
+    # beta (N-1) = 0.5 * 3 = 1.5 -> +-1.5 ln2 / 2 = +-0.519860
+    adv = bond_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, 4, 0.5)
+    assert adv.tolist() == pytest.approx([0.519860, -0.519860, 0.519860, -0.519860], abs=1e-6)
+    assert bond_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4, 4, 0.0).abs().max() == 0  # beta 0: no RL part
+    assert bond_advantages(torch.full((4,), 3.0), 4, 4, 0.5).abs().max() == 0  # all tied: p_le = 1 everywhere
+
+
+def test_best_of_group_and_nll_gradient_only_through_best_samples():
+    assert best_in_group(torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 2.0, 1.0]), 4).tolist() == [1, 0, 0, 0,
+                                                                                                  0, 1, 0, 0]
+    logps = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.1]])).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])  # row 0 is the best sample
+    nll = bon_nll(logps, mask)
+    assert nll.item() == pytest.approx((math.log(2) + math.log(4)) / 2, abs=1e-6)  # 1.039721
+    nll.backward()
+    assert logps.grad[1].abs().max() == 0 and logps.grad[0].tolist() == [-0.5, -0.5]
+
+
+def scripted(values):
+    def reward(completions, **kwargs):
+        return values[: len(completions)]
+
+    return reward
+
+
+def rollout(trainer, rows=8):
+    trainer.model.train()
+    return trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(rows)])
+
+
+def test_on_grpo_trainer(tiny_trainer):
+    values = [1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 2.0, 1.0]
+    trainer = tiny_trainer("grpo", plugins=[BOND()], reward_funcs=[scripted(values)])
+    assert trainer.beta == 0.5  # KL coefficient beta * 1 to the anchor
+    out = rollout(trainer)
+    expected = bond_advantages(torch.tensor(values), 4, 4, 0.5)
+    assert torch.allclose(out["advantages"], expected, atol=1e-6)
+    assert out[BEST_KEY].tolist() == [1, 0, 0, 0, 0, 1, 0, 0]
+
+
+def test_ema_anchor_moves_the_reference(tiny_trainer):
+    trainer = tiny_trainer("grpo", plugins=[BOND(BONDParams(anchor="ema", ema_rate=0.25))],
+                           args={"max_steps": 1, "learning_rate": 1e-2})
+    name, initial = next((n, p.detach().clone()) for n, p in trainer.model.named_parameters() if "layers.0" in n)
+    trainer.train()
+    policy = dict(trainer.model.named_parameters())[name].detach()
+    anchor = dict(trainer.ref_model.named_parameters())[name].detach()
+    assert not torch.equal(policy, initial)
+    assert torch.allclose(anchor, 0.75 * initial + 0.25 * policy, atol=1e-6)
+
+
+def test_n_must_match_the_group_size(trl_ext_catalog, tiny_model_dir):
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    trl_ext_catalog.add_plugin(BOND)
+    trl_ext_catalog.add_plugin(ExactMatch)
+    stage = StageSpec(trainer="grpo", model=tiny_model_dir, dataset={"source": "embedded:arithmetic"},
+                      args={"num_generations": 4}, plugins=[{"bond": {"n": 8}}, "exact_match"])
+    with pytest.raises(RecipeError, match="params.n=8 must equal args.num_generations"):
+        resolve_stage(stage, 0, trl_ext_catalog)
