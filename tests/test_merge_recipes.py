@@ -102,7 +102,9 @@ def test_merge_only_stage_through_the_runner(tmp_path):
     a, b = _save_perturbed(base, tmp_path / "a", 1), _save_perturbed(base, tmp_path / "b", 2)
     recipe = parse_recipe({"seed": 0, "stages": [{
         "name": "soup", "trainer": "merge", "model": base, "dataset": PROMPTS,
-        "plugins": [{"checkpoint_average": {"sources": [a, b], "mode": "weighted", "weights": [1.0, 3.0]}}]}]})
+        "plugins": [{"checkpoint_average": {"sources": [a, b], "mode": "weighted", "weights": [1.0, 3.0]}}],
+        "evaluation": {"dataset": {"source": "embedded:arithmetic", "split": "test", "params": {"format": "prompt"}},
+                       "reward": "exact_match", "limit": 4}}]})
     info = run_recipe(recipe, tmp_path / "run", _catalog(), echo=lambda _m: None)
     summary = info["stages"]["soup"]
     assert summary["global_step"] == 0 and summary["checkpoint_average"]["weights"] == [0.25, 0.75]
@@ -112,6 +114,7 @@ def test_merge_only_stage_through_the_runner(tmp_path):
         expected = (0.25 * wa[key].double() + 0.75 * wb[key].double()).float()
         assert torch.equal(merged[key], expected), key
     assert (tmp_path / "run" / "soup" / "tokenizer_config.json").is_file()
+    assert summary["eval"]["before"]["n"] == summary["eval"]["after"]["n"] == 4  # the stand-in model loads on use
 
 
 @pytest.mark.slow
@@ -156,3 +159,30 @@ def test_warp_recipe_end_to_end(tmp_path):
     assert sum("already complete, skipping" in m for m in messages) == 3
     assert (run / "warp" / "model.safetensors").read_bytes() == before
     assert json.loads((run / "warp" / "stage.json").read_text())["summary"]["trainer"] == "merge"
+
+
+@pytest.mark.slow
+def test_checkpoint_average_on_a_training_stage(tmp_path):
+    """SFT for 6 steps saving every 2; LAWA over the last 2 checkpoints replaces the stage's model, which a later
+    stage reads; held-out evaluation runs on the averaged model."""
+    recipe = parse_recipe({"seed": 0, "stages": [{
+        "name": "sft", "trainer": "sft", "model": "embedded:tiny-qwen2",
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}},
+        "plugins": ["sft", {"checkpoint_average": {"last_n": 2}}],
+        "evaluation": {"dataset": {"source": "embedded:arithmetic", "split": "test", "params": {"format": "prompt"}},
+                       "reward": "exact_match", "limit": 16},
+        "args": {"max_steps": 6, "per_device_train_batch_size": 8, "save_steps": 2, "learning_rate": 1e-3,
+                 "logging_steps": 1, "max_length": 32}}]})
+    run = tmp_path / "run"
+    info = run_recipe(recipe, run, _catalog(), echo=lambda _m: None)
+    summary = info["stages"]["sft"]["checkpoint_average"]
+    ckpt = run / "sft" / "checkpoints"
+    assert summary["sources"] == [str(ckpt / "checkpoint-4"), str(ckpt / "checkpoint-6")]  # step 6 is checkpointed
+    assert summary["weights"] == [0.5, 0.5] and summary["trainer_model_updated"] is True
+    four, six = (load_file(str(ckpt / f"checkpoint-{s}" / "model.safetensors")) for s in (4, 6))
+    averaged = load_file(str(run / "sft" / "model.safetensors"))
+    assert averaged.keys() == six.keys()
+    for key in six:
+        assert torch.equal(averaged[key], ((four[key].double() + six[key].double()) / 2).float()), key
+    assert not torch.equal(four["model.layers.0.mlp.up_proj.weight"], six["model.layers.0.mlp.up_proj.weight"])
+    assert "after" in info["stages"]["sft"]["eval"]

@@ -129,6 +129,10 @@ class _FakeTrainer:
     def __init__(self, model=None, step=0):
         self.model, self.state = model, type("S", (), {"global_step": step})()
         self.accelerator = type("A", (), {"unwrap_model": staticmethod(lambda m: m)})()
+        self.weights_folder = None
+
+    def use_weights(self, folder):  # the merge trainer's hook for where the merged model now is
+        self.weights_folder = folder
 
 
 def _merge_stage_dir(run_dir, name, model_folder):

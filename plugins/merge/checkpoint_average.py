@@ -137,6 +137,9 @@ class CheckpointAverage(Plugin):
         sources = select_last(candidates, self.params.last_n)
         if not sources:
             raise FileNotFoundError(f"checkpoint_average: no checkpoints in {stage_dir / 'checkpoints'} (set save_steps)")
+        if self.params.weights is not None and len(self.params.weights) != len(sources):
+            raise ValueError(f"checkpoint_average: params.weights has {len(self.params.weights)} values but "
+                             f"{len(sources)} sources were found: {[str(s) for s in sources]}")
         weights = averaging_weights(self.params, len(sources))
 
         def merge():
@@ -147,7 +150,9 @@ class CheckpointAverage(Plugin):
 
         counts = on_main_then_wait(merge) or {}
         summary = {"checkpoint_average": {"sources": [str(s) for s in sources], "weights": weights, **counts}}
-        if stage.trainer != MERGE_TRAINER:
+        if stage.trainer == MERGE_TRAINER:
+            trainer.use_weights(stage_dir)  # a stage evaluation after the merge scores the merged model
+        else:
             model = trainer.accelerator.unwrap_model(trainer.model)
             summary["checkpoint_average"]["trainer_model_updated"] = load_into_model(model, stage_dir)
         return summary

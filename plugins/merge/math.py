@@ -2,7 +2,9 @@
 
 Shared by ``checkpoint_average``, ``warp`` and the reward family's ``warm`` (one copy of the averaging rule). Every
 merge is computed in float64 and cast back to the output dtype, so averaging K float32 checkpoints does not lose bits
-to K roundings.
+to K roundings. SLERP has two forms: on vectors (:func:`slerp`, :func:`slerp_many`, :func:`liti`: the paper's
+formulas, what the tests check numbers against) and on the task vectors' Gram matrix
+(:func:`slerp_fold_coefficients`: what the streamed merge uses, shown equal to the vector form in the tests).
 """
 
 from __future__ import annotations

@@ -132,8 +132,9 @@ def stream_merge(sources: Sequence[str | Path], out_dir: str | Path, weights_fn:
     out_dir = Path(out_dir)
     indexes = check_sources(sources, who)
     base_index, base_dir = indexes[base], sources[base]
+    for stale in out_dir.glob(".merge-tmp-*"):  # left by a merge that crashed; the stage is being re-run
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir / f".merge-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     counts = {"merged_tensors": 0, "copied_tensors": 0}
     for file_name in weight_files(base_dir):

@@ -114,7 +114,8 @@ class Warp(Plugin):
       pi_ref every tau steps is exactly this EMA with alpha = mu, tau = 1) and ``beta``. With ``rloo`` the penalty is
       the paper's: TRL's RLOO subtracts beta * sum_t log(pi/pi_ref) (k1) from the reward, so the reward is
       r - beta log(pi/pi_ema); with ``grpo`` it is TRL's per-token k3 term in the loss instead. The anchor is saved
-      with every checkpoint and restored on resume (TRL does not checkpoint the reference model).
+      with every checkpoint and restored on resume (TRL does not checkpoint the reference model; not under ZeRO-3,
+      whose sharded reference TRL's sync gathers but this save does not).
     * a **merge stage** (``trainer: merge``, ``model:`` = theta_init, ``runs:`` = the M RL stages): per tensor, the
       task vectors delta_m = theta_m - theta_init are merged by SLERP, theta_slerp = theta_init + sin((1-l) W)/sin W
       delta_1 + sin(l W)/sin W delta_2 with W the angle between delta_1 and delta_2, then LITI moves towards the
@@ -184,5 +185,6 @@ class Warp(Plugin):
 
         counts = on_main_then_wait(lambda: stream_merge([init, *runs], stage_dir, weights, base=0, who=self.name,
                                                         gram=True)) or {}
+        trainer.use_weights(stage_dir)  # a stage evaluation after the merge scores the merged model
         return {"warp": {"init": str(init), "runs": [str(r) for r in runs], "eta": p.eta, "slerp_t": p.slerp_t,
                          **counts, **stats}}

@@ -5,14 +5,15 @@ recipe stage like any other (its output is ``stage:<name>`` for later stages, it
 resumes by re-running), but it has no optimiser, data loader or checkpoints, so it is not a TRL trainer:
 
 * ``train()`` does nothing (zero steps);
-* ``save_model(dir)`` copies the stage's ``model:`` folder (config, weights, generation config) file by file,
-  without loading it; the stage's merge plugin then overwrites the weights in ``trl_ext_after_stage``;
-* ``model`` is a stand-in that loads the model from wherever the weights currently are at its first use, so a stage
-  ``evaluation`` sees the ``model:`` before and the merged weights after, and a stage without evaluation never
-  loads a whole model (the runner's save step only inspects ``trainer.model``; the merge itself streams).
+* ``save_model(dir)`` copies the config and weight files of the stage's ``model:`` folder without loading them; the
+  stage's merge plugin then overwrites the weights in ``trl_ext_after_stage`` and calls ``use_weights(stage_dir)``;
+* ``model`` is a stand-in that loads the model at its first use (the ``model:`` before the merge, the stage folder
+  after ``use_weights``), so a stage ``evaluation`` scores the ``model:`` before and the merge after, and a stage
+  without evaluation never loads a whole model (the runner's save step only inspects ``trainer.model``; the merge
+  itself streams).
 
-The recipe schema requires a ``dataset`` on every stage; the runner loads it, and this trainer ignores it. Only
-single-process runs write; under several processes the main process copies and the plugins synchronise.
+The recipe schema requires a ``dataset`` on every stage; the runner loads it, and this trainer ignores it. Under
+several processes only the main process copies and merges; the others wait for it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,16 @@ from transformers.trainer_utils import TrainOutput
 
 from trl_ext.trainers.base import HostMixin
 
-# Files of a model folder the merge stage copies from its `model:` (weights are rewritten by the merge plugin).
-_SKIP = {"checkpoints", "stage.json", "metrics.jsonl", "eval.json"}
+
+def _model_files(folder: Path) -> list[Path]:
+    """The files of a model folder the merge stage copies from its ``model:`` (config and weights; the runner saves
+    the tokenizer itself, and an earlier stage's own markers and metrics must not be copied)."""
+    def keep(path: Path) -> bool:
+        name = path.name
+        return name in {"config.json", "generation_config.json"} or (
+            name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")))
+
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and keep(p)]
 
 
 class MergeConfig(TrainingArguments):
@@ -92,12 +101,14 @@ class ExtMergeTrainer(HostMixin):
         return TrainOutput(global_step=0, training_loss=None, metrics={})
 
     def save_model(self, output_dir: str) -> None:
-        """Copy the ``model:`` folder into the stage folder (the merge plugin replaces its weights next)."""
+        """Copy the ``model:`` folder's config and weights (the merge plugin replaces the weights next)."""
         target = Path(output_dir)
         if self.accelerator.is_main_process:
             target.mkdir(parents=True, exist_ok=True)
-            for item in self.model_path.iterdir():
-                if item.is_file() and item.name not in _SKIP:
-                    shutil.copyfile(item, target / item.name)
+            for item in _model_files(self.model_path):
+                shutil.copyfile(item, target / item.name)
         self.accelerator.wait_for_everyone()
-        self.model = _LazyModel(target, self.accelerator.device)  # the next use reads the merged weights
+
+    def use_weights(self, folder: str | Path) -> None:
+        """Called by the merge plugin once the merged model is in ``folder``: later uses of ``model`` load it."""
+        self.model = _LazyModel(Path(folder), self.accelerator.device)
