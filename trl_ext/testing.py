@@ -10,8 +10,10 @@ Fixtures:
 * ``tiny_trainer``: ``tiny_trainer(trainer="grpo", plugins=[...], args={...})`` builds a trl-ext trainer with the
   given plugin instances on the tiny model and the embedded arithmetic task, ready for ``.train()``.
 
-Helper: :func:`check_plugin_conformance` asserts a plugin class meets the host's rules (documented, named, schema
-instantiable with defaults, hooks all specified, slots declared for selection hooks).
+Helpers: :func:`check_plugin_conformance` asserts a plugin class meets the host's rules (documented, named, schema
+instantiable with defaults, hooks all specified, slots declared for selection hooks); :func:`assert_conforms` checks a
+loss objective, token correction, aggregation or advantage plugin against a reference written from its formula, in
+float64, value and gradient, through the real loss pipeline.
 """
 
 from __future__ import annotations
@@ -131,3 +133,108 @@ def _small_defaults(trainer: str) -> dict[str, Any]:
     if trainer == "distillation":
         return {"per_device_train_batch_size": 4, "max_completion_length": 4, "gradient_checkpointing": False}
     return {"per_device_train_batch_size": 8, "max_length": 32}
+
+
+# -- numeric conformance ------------------------------------------------------------------------------------------------
+
+CONFORMANCE_RTOL = 1e-9
+
+
+def _loss_case_inputs(case: dict[str, Any]):
+    import torch
+
+    from trl_ext.batches import LossInputs
+
+    d = torch.float64
+    theta = torch.as_tensor(case["theta"], dtype=d)
+    theta = theta.reshape(1, -1) if theta.dim() == 1 else theta
+    as_t = lambda key, default=None: (default if case.get(key) is None  # noqa: E731
+                                      else torch.as_tensor(case[key], dtype=d).reshape(theta.shape))
+    mask = as_t("mask", torch.ones_like(theta))
+    advantages = torch.as_tensor(case.get("advantages", 1.0), dtype=d)
+    advantages = advantages.reshape(theta.size(0), -1) if advantages.dim() else advantages.expand(theta.size(0), 1)
+    leaf = theta.clone().requires_grad_(True)
+    li = LossInputs(
+        num_items_in_batch=torch.as_tensor(case.get("num_items_in_batch", float(mask.sum())), dtype=d),
+        grad_accum_steps=1, steps_per_generation=1, num_processes=1, training=False,
+        loss_type=case.get("loss_type", "bnpo"), max_completion_length=case.get("max_completion_length", theta.size(1)),
+        per_token_logps=leaf, old_per_token_logps=as_t("old", theta.clone()), advantages=advantages, mask=mask,
+        sampling_per_token_logps=as_t("rollout"), ref_per_token_logps=as_t("ref"), entropies=None,
+        epsilon_low=case.get("epsilon_low", 0.2), epsilon_high=case.get("epsilon_high", 0.2), beta=case.get("beta", 0.0),
+        extra={"sapo_tau_pos": case.get("sapo_tau_pos", 1.0), "sapo_tau_neg": case.get("sapo_tau_neg", 1.05)},
+    )
+    return li, leaf
+
+
+def _close(actual, expected, rtol: float, what: str, plugin, index: int) -> None:
+    import torch
+
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    actual = actual.detach().to(torch.float64).reshape(expected.shape)
+    scale = expected.abs().clamp(min=1.0)  # relative to |expected|, absolute below 1 (zeros compare to rtol)
+    error = ((actual - expected).abs() / scale).max().item() if expected.numel() else 0.0
+    assert error <= rtol, (f"plugin {plugin.name!r}, case {index}: {what} differs from the reference by {error:.3e} "
+                           f"(relative, tolerance {rtol:.0e})\n  got      {actual.tolist()}\n  expected {expected.tolist()}")
+
+
+def assert_conforms(plugin, reference_fn, cases, *, rtol: float = CONFORMANCE_RTOL, others=()) -> None:
+    """Assert that ``plugin`` computes what ``reference_fn`` says, in float64, value and gradient, on every case.
+
+    The kind is read from the hooks the plugin implements:
+
+    * **loss plugins** (``trl_ext_policy_loss``, ``trl_ext_token_weights``, ``trl_ext_aggregate_loss``): each case is
+      a dict of nested lists: ``theta`` (log pi_theta, ``(B, T)`` or ``(T,)``), optional ``old``, ``rollout``,
+      ``ref``, ``mask``, ``advantages`` (scalar, ``(B,)`` or ``(B, T)``), ``epsilon_low``/``epsilon_high`` (0.2),
+      ``beta`` (0), ``loss_type`` (``bnpo``: TRL's objective and micro-batch token mean fill the slots the plugin
+      leaves empty). The plugin, with ``others`` (plugins filling the other slots), runs through the real loss
+      pipeline (:func:`trl_ext.trainers.grpo.compose_loss`, k3 KL without bias correction). ``reference_fn(case,
+      theta)`` gets ``theta`` as a float64 leaf tensor and returns the scalar loss (its autograd gradient is the
+      expected one) or a ``(loss, d loss / d theta)`` pair written out by hand; value and gradient must agree to
+      ``rtol`` (relative to |expected|, absolute below 1).
+    * **advantage plugins** (``trl_ext_compute_advantages``): each case has ``rewards`` (``(N,)``, NaN = unscorable),
+      ``num_generations`` and optionally ``mask`` (``(N, T)``); the plugin sees a one-process rollout batch (no
+      trainer). ``reference_fn(case)`` returns the advantages; advantages carry no gradient.
+    """
+    import torch
+
+    hooks = set(type(plugin).implemented_hooks())
+    if "trl_ext_compute_advantages" in hooks:
+        from trl_ext.batches import RolloutBatch
+
+        for index, case in enumerate(cases):
+            rewards = torch.as_tensor(case["rewards"], dtype=torch.float64)
+            n = rewards.numel()
+            mask = torch.as_tensor(case.get("mask", [[1.0]] * n), dtype=torch.float64)
+            batch = RolloutBatch(
+                rewards_per_func=rewards.unsqueeze(-1), reward_names=["reward"], reward_weights=torch.ones(1),
+                num_generations=int(case["num_generations"]), process_slice=slice(0, n),
+                completion_ids=torch.zeros_like(mask, dtype=torch.long), completion_mask=mask,
+                completion_lengths=mask.sum(-1), prompts=[], completions=[], inputs=[{} for _ in range(n)],
+            )
+            got = plugin.trl_ext_compute_advantages(rewards=rewards, batch=batch)
+            _close(got, reference_fn(case), rtol, "advantages", plugin, index)
+        return
+    if not hooks & {"trl_ext_policy_loss", "trl_ext_token_weights", "trl_ext_aggregate_loss"}:
+        raise AssertionError(f"plugin {plugin.name!r} implements no loss or advantage hook assert_conforms can check")
+
+    from trl_ext import ops
+    from trl_ext.host import PluginHost
+    from trl_ext.trainers.grpo import compose_loss
+
+    host = PluginHost([plugin, *others])
+    for index, case in enumerate(cases):
+        li, leaf = _loss_case_inputs(case)
+        loss, _, _ = compose_loss(host, li, loss_type=li.loss_type, kl=ops.KLTerm("k3", bias_correction=False))
+        (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+        grad = torch.zeros_like(leaf) if grad is None else grad
+        theta = leaf.detach().clone().requires_grad_(True)
+        expected = reference_fn(case, theta)
+        if isinstance(expected, tuple):  # (value, gradient) written out by hand
+            expected, expected_grad = expected
+        elif expected.requires_grad:
+            (expected_grad,) = torch.autograd.grad(expected, theta, allow_unused=True)
+        else:
+            expected_grad = None
+        expected_grad = torch.zeros_like(theta) if expected_grad is None else torch.as_tensor(expected_grad)
+        _close(loss, expected.detach(), rtol, "loss", plugin, index)
+        _close(grad, expected_grad, rtol, "gradient", plugin, index)

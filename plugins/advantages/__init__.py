@@ -7,6 +7,7 @@ from trl_ext import hookimpl
 
 
 def plugin_classes() -> tuple[type, ...]:
+    from trl_ext_plugins.advantages.group_norm import GroupNorm
     from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline
     from trl_ext_plugins.advantages.reinforce_pp import ReinforcePP, ReinforcePPBaseline
     from trl_ext_plugins.advantages.remax import ReMax
@@ -14,7 +15,7 @@ def plugin_classes() -> tuple[type, ...]:
     from trl_ext_plugins.advantages.rloo import RLOO
     from trl_ext_plugins.advantages.vapo import VAPO
 
-    return RLOO, ReinforceBaseline, ReMax, ReinforcePP, ReinforcePPBaseline, PPO, VAPO
+    return RLOO, ReinforceBaseline, ReMax, ReinforcePP, ReinforcePPBaseline, PPO, VAPO, GroupNorm
 
 
 @hookimpl

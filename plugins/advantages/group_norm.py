@@ -1,0 +1,56 @@
+"""``group_norm``: GRPO's group-relative advantage with every peer convention (std kind, epsilon, scale, baseline)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext_plugins.advantages.math import group_advantages
+from trl_ext_plugins.advantages.rollout import local
+
+
+class GroupNormParams(PluginParams):
+    std: Literal["sample", "population", "leave_one_out"] = Field(
+        "sample", description="sample: unbiased N-1 std (torch.std; TRL, verl); population: N (e.g. numpy/JAX "
+        "ports); leave_one_out: sample std of the other rows of the group (group scale only).")
+    epsilon: float = Field(1e-4, ge=0, description="Added to the std (TRL 1e-4; verl 1e-6).")
+    scale: Literal["group", "batch", "none"] = Field(
+        "group", description="group: divide by the group's std (GRPO paper, TRL scale_rewards=group, verl); batch: by "
+        "the std of the whole gathered batch (TRL scale_rewards=batch); none: no division (Dr. GRPO).")
+    baseline: Literal["mean", "leave_one_out"] = Field(
+        "mean", description="mean: the group mean (GRPO, TRL, verl); leave_one_out: the mean of the other rows "
+        "(RLOO-style centre).")
+
+    @model_validator(mode="after")
+    def _loo_needs_group(self):
+        if self.std == "leave_one_out" and self.scale != "group":
+            raise ValueError("std: leave_one_out needs scale: group")
+        return self
+
+
+class GroupNorm(Plugin):
+    """Group-relative advantages of GRPO (DeepSeekMath, arXiv 2402.03300) with the conventions frameworks differ on.
+
+    ``A_i = (R_i - b) / (s + eps)`` per prompt group of ``G = args.num_generations`` rows, one value per sequence.
+    Defaults equal TRL 1.16's own advantage (group mean, unbiased group std, eps 1e-4; tested against TRL's formula):
+    the plugin exists to *name* the alternatives, ALGORITHMS.md convention 1 (``std: population`` gives 1.732 instead
+    of 1.5 for the top row of [1, 0, 0, 0]; ``epsilon: 1e-6`` is verl's; ``scale: batch`` is TRL's
+    ``scale_rewards=batch``; ``baseline: leave_one_out`` centres on the other rows). Unscorable rows get 0 and count in
+    no statistic; a zero-variance group gives 0.
+    """
+
+    name = "group_norm"
+    aliases = ("group_advantage",)
+    family = "advantage"
+    trainers = frozenset({"grpo"})
+    slots = frozenset({Slot.ADVANTAGE})
+    Params = GroupNormParams
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        p = self.params
+        out = group_advantages(rewards, batch.num_generations, scale=p.scale, std=p.std, baseline=p.baseline,
+                               eps=p.epsilon)
+        return local(out, batch)
