@@ -229,3 +229,22 @@ def test_group_norm_convention_1_numbers():
 def test_conformance_failure_names_plugin_case_and_error():
     with pytest.raises(AssertionError, match=r"plugin 'grpo', case 0: loss differs"):
         assert_conforms(GRPO(), lambda case, theta: theta.sum() * 0 + 123.0, [BASE])
+
+
+def test_correction_diagnostics_by_hand():
+    from trl_ext_plugins.corrections import math as cm
+
+    # rho = [1, 2, 4 (masked by the band), pad]; weights [1, 2, 0]; sequences: row 0 tokens 0-1, row 1 token 2
+    log_rho = torch.tensor([[0.0, math.log(2.0)], [math.log(4.0), 0.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=D)
+    weight = torch.tensor([[1.0, 2.0], [0.0, 0.0]], dtype=D)
+    changed = torch.tensor([[False, False], [True, False]])
+    stats = cm.mismatch_stats(log_rho, weight, changed, mask)
+    assert stats["rho/mean"] == pytest.approx(7 / 3)
+    assert stats["rho/std"] == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
+    assert stats["rho/max"] == pytest.approx(4.0)
+    assert stats["ess"] == pytest.approx(3 ** 2 / (3 * 5))  # (1 + 2 + 0)^2 / (3 * (1 + 4 + 0))
+    assert stats["changed_fraction"] == pytest.approx(1 / 3)
+    assert stats["changed_sequence_fraction"] == pytest.approx(1 / 2)
+    assert stats["mismatch_kl/k1"] == pytest.approx(-(math.log(2) + math.log(4)) / 3)
+    assert stats["mismatch_kl/k3"] == pytest.approx(((2 - 1 - math.log(2)) + (4 - 1 - math.log(4))) / 3)

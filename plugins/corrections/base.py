@@ -42,8 +42,11 @@ class RolloutCorrection(Plugin):
     Needs the rollout engine's per-token log-probs (vLLM, or the ``rollout_logprobs`` plugin without vLLM) and the old
     policy's (the trainer recomputes them, or they equal the current ones when the batch is used once). Sets
     ``args.vllm_importance_sampling_correction: false`` so TRL's own vLLM correction is not applied on top (a recipe that
-    sets it true is refused, naming the plugin). Logs, per micro-batch, ``<name>/logp_diff/{mean,max}``,
-    ``<name>/changed_fraction`` (tokens truncated or masked) and ``<name>/weight/{min,mean,max}``.
+    sets it true is refused, naming the plugin). Logs, per micro-batch (:func:`math.mismatch_stats`):
+    ``<name>/logp_diff/{mean,max}``, ``<name>/rho/{mean,std,max}``, ``<name>/weight/{min,mean,max}``,
+    ``<name>/changed_fraction`` and ``<name>/changed_sequence_fraction`` (tokens / sequences truncated or masked),
+    ``<name>/ess`` (effective sample size fraction of the weights) and ``<name>/mismatch_kl/{k1,k3}``
+    (KL(pi_rollout || pi_old) on the rollout's samples).
     Subclasses implement :meth:`weights` returning ``(weight, changed)`` from rho's log.
 
     Truncated sampling (issue 10 defect 5): the rollout log-probs are those of the distribution actually sampled

@@ -70,20 +70,38 @@ def m2_keep_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) 
 
 def mismatch_stats(log_rho: torch.Tensor, weight: torch.Tensor, changed: torch.Tensor,
                    mask: torch.Tensor) -> dict[str, float]:
-    """Mean/max |log pi_old - log pi_rollout|, fraction of tokens whose weight was changed (masked or truncated), and
-    min/mean/max weight, over loss tokens (weights of shape (B, 1) are broadcast)."""
+    """Diagnostics of one micro-batch over its loss tokens (weights of shape (B, 1) are broadcast).
+
+    ``logp_diff/{mean,max}``: |log pi_old - log pi_rollout|; ``rho/{mean,std,max}``: the token ratio pi_old/pi_rollout
+    (clamped exp, unbiased std); ``weight/{min,mean,max}``: the correction's weight; ``changed_fraction`` and
+    ``changed_sequence_fraction``: tokens, and sequences with at least one token, whose weight was masked or truncated;
+    ``ess``: effective sample size of the weights as a fraction, ``(sum w)^2 / (n sum w^2)`` (1: uniform, 0: all zero);
+    ``mismatch_kl/{k1,k3}``: KL(pi_rollout || pi_old) estimated on the rollout's own samples, k1 = mean(-log rho),
+    k3 = mean(rho - 1 - log rho) (>= 0).
+    """
     valid = mask.bool()
     if not bool(valid.any()):
         return {}
-    diff = log_rho.abs()[valid]
+    lr = log_rho[valid]
+    rho = ops.safe_ratio(lr)
     w = weight.expand_as(mask)[valid]
+    changed_tokens = changed.expand_as(mask) & valid
+    rows = valid.any(-1)
+    square_sum = (w * w).sum()
     return {
-        "logp_diff/mean": diff.mean().item(),
-        "logp_diff/max": diff.max().item(),
-        "changed_fraction": changed.expand_as(mask)[valid].float().mean().item(),
+        "logp_diff/mean": lr.abs().mean().item(),
+        "logp_diff/max": lr.abs().max().item(),
+        "rho/mean": rho.mean().item(),
+        "rho/std": rho.std().item() if rho.numel() > 1 else 0.0,
+        "rho/max": rho.max().item(),
+        "changed_fraction": changed_tokens[valid].float().mean().item(),
+        "changed_sequence_fraction": changed_tokens.any(-1)[rows].float().mean().item(),
         "weight/min": w.min().item(),
         "weight/mean": w.mean().item(),
         "weight/max": w.max().item(),
+        "ess": (w.sum() ** 2 / (w.numel() * square_sum)).item() if square_sum > 0 else 0.0,
+        "mismatch_kl/k1": (-lr).mean().item(),
+        "mismatch_kl/k3": (rho - 1 - lr.clamp(-ops.LOG_RATIO_CLAMP, ops.LOG_RATIO_CLAMP)).mean().item(),
     }
 
 
