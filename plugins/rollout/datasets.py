@@ -33,4 +33,10 @@ def _calc_tool(*args, **kwargs) -> Dataset:
     return calc_tool_trajectories(*args, **kwargs)
 
 
-DATASETS = {"arithmetic_proposals": arithmetic_proposals, "calc_tool": _calc_tool}
+def _reasoning_gym(*args, **kwargs) -> Dataset:
+    from trl_ext_plugins.rollout.reasoning_gym_env import reasoning_gym_dataset
+
+    return reasoning_gym_dataset(*args, **kwargs)
+
+
+DATASETS = {"arithmetic_proposals": arithmetic_proposals, "calc_tool": _calc_tool, "reasoning_gym": _reasoning_gym}

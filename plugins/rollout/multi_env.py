@@ -108,6 +108,10 @@ class MultiEnv(Plugin):
       process) runs before and after the stage: ``multi_env_eval.json`` and a per-environment reward-curve plot
       ``multi_env.png`` in the stage folder, and ``multi_env_eval`` in the run summary.
 
+    Environments can be any dataset with a verifier: the embedded arithmetic task per operation, reasoning-gym task
+    families (``embedded:reasoning_gym`` with the ``reasoning_gym`` reward, extra ``trl-ext[reasoning-gym]``), local
+    files or hub datasets. TRL's ``environment_factory`` tool environments are not routed by this plugin.
+
     Bad input (refused at validation, before any model loads): repeated environment names, a reward selection that is
     not a reward plugin, an environment whose embedded or local dataset has no rows.
     """
@@ -229,8 +233,7 @@ class MultiEnv(Plugin):
                 return out
 
             def subset(indices):
-                sub = {k: ([v[i] for i in indices] if isinstance(v, list) and len(v) == n else v)
-                       for k, v in kwargs.items()}
+                sub = {k: ([v[i] for i in indices] if _per_row(v, n) else v) for k, v in kwargs.items()}
                 return {**sub, "completions": [completions[i] for i in indices]}
 
             try:
@@ -339,6 +342,12 @@ def plot_environment_rewards(metrics_path: Path, out_png: Path, names: list[str]
     figure.savefig(out_png)
     plt.close(figure)
     return out_png
+
+
+def _per_row(value: Any, n: int) -> bool:
+    """A per-row column of a reward call (a list, or a dataset column object), not a scalar, mapping or string."""
+    return (not isinstance(value, (str, bytes, dict)) and hasattr(value, "__getitem__") and hasattr(value, "__len__")
+            and len(value) == n)
 
 
 def _catalog():

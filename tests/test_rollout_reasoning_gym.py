@@ -1,0 +1,64 @@
+"""reasoning-gym task families as ``multi_env`` environments: the embedded dataset, the family's verifier as a reward,
+and a mixture of a reasoning-gym environment with an arithmetic one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed (pip install 'trl-ext[reasoning-gym]')")
+
+from trl_ext.recipe import StageSpec  # noqa: E402
+from trl_ext.runner import RunContext, _CURRENT_RUN, load_split  # noqa: E402
+from trl_ext_plugins.rollout.multi_env import MultiEnv  # noqa: E402
+from trl_ext_plugins.rollout.reasoning_gym_env import ReasoningGymScore, reasoning_gym_dataset  # noqa: E402
+
+
+def test_dataset_rows_and_splits():
+    train = reasoning_gym_dataset("train", task="basic_arithmetic", size=4, seed=0)
+    test = reasoning_gym_dataset("test", task="basic_arithmetic", size=4, seed=0)
+    assert set(train.column_names) == {"prompt", "answer", "rg_entry"}
+    entry = json.loads(train[0]["rg_entry"])
+    assert train[0]["prompt"] == entry["question"] + "\nAnswer: " and train[0]["answer"] == str(entry["answer"])
+    assert train["prompt"] != test["prompt"]  # different seeds
+    assert reasoning_gym_dataset("train", task="basic_arithmetic", size=4, seed=0)["prompt"] == train["prompt"]
+
+
+def test_family_verifier_as_reward():
+    rows = reasoning_gym_dataset("train", task="basic_arithmetic", size=2, seed=0)
+    (reward,) = ReasoningGymScore().trl_ext_reward_functions(stage=None)
+    right, wrong = rows[0]["answer"], str(int(rows[1]["answer"]) + 1)
+    assert reward.fn(completions=[right + "\nmore", wrong, "anything"],
+                     rg_entry=[rows[0]["rg_entry"], rows[1]["rg_entry"], None]) == [1.0, 0.0, None]
+
+
+def test_mixture_with_an_arithmetic_environment(trl_ext_catalog, register_plugin, tmp_path):
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    import trl_ext_plugins.rollout as rollout_family
+
+    trl_ext_catalog.add_source(rollout_family, source="rollout")  # its plugins and embedded datasets
+    register_plugin(ExactMatch)
+    token = _CURRENT_RUN.set(RunContext(recipe=None, output_dir=tmp_path, catalog=trl_ext_catalog))
+    try:
+        arithmetic = {"source": "embedded:arithmetic", "params": {"format": "prompt", "size": 8}}
+        envs = [{"name": "add", "rewards": ["exact_match"]},
+                {"name": "legs", "rewards": ["reasoning_gym"],
+                 "dataset": {"source": "embedded:reasoning_gym", "params": {"task": "leg_counting", "size": 8}}}]
+        stage = StageSpec(trainer="grpo", model="m", dataset=arithmetic, args={"per_device_train_batch_size": 8,
+                                                                               "num_generations": 4})
+        plugin = MultiEnv(MultiEnv.Params(environments=envs))
+        mixed = plugin.trl_ext_prepare_dataset(dataset=load_split(stage.dataset, trl_ext_catalog, stage, "train", None),
+                                               split="train", stage=stage)
+        assert sorted(mixed["env"][:2]) == ["add", "legs"] and len(mixed) == 16
+        assert all((e == "legs") == (entry is not None) for e, entry in zip(mixed["env"], mixed["rg_entry"]))
+        functions = {f.name: f.fn for f in plugin.trl_ext_reward_functions(stage=stage)}
+        legs = [i for i, e in enumerate(mixed["env"]) if e == "legs"][0]
+        columns = {c: mixed[c] for c in mixed.column_names if c != "prompt"}
+        completions = ["0"] * len(mixed)
+        completions[legs] = mixed["answer"][legs]
+        scores = functions["legs/reasoning_gym"](prompts=mixed["prompt"], completions=completions, **columns)
+        assert scores[legs] == 1.0 and all(s is None for i, s in enumerate(scores) if mixed["env"][i] == "add")
+    finally:
+        _CURRENT_RUN.reset(token)
