@@ -248,3 +248,19 @@ def test_correction_diagnostics_by_hand():
     assert stats["changed_sequence_fraction"] == pytest.approx(1 / 2)
     assert stats["mismatch_kl/k1"] == pytest.approx(-(math.log(2) + math.log(4)) / 3)
     assert stats["mismatch_kl/k3"] == pytest.approx(((2 - 1 - math.log(2)) + (4 - 1 - math.log(4))) / 3)
+
+
+@pytest.mark.parametrize("ratio, value, slope", [
+    # A = -1, eps 0.2, c = 3. r = 5: PPO loss -min(5*-1, 1.2*-1) = 5, capped at -c*A = 3, gradient 0
+    (5.0, 3.0, 0.0),
+    # r = 2: PPO loss 2 < 3, unclipped, gradient d(-r A)/dlogpi = -r A = 2
+    (2.0, 2.0, 2.0),
+    # r = 0.5: the PPO clip binds (loss -0.8 * -1 = 0.8, gradient 0); the dual clip does not
+    (0.5, 0.8, 0.0),
+])
+def test_grpo_dual_clip_by_hand(ratio, value, slope):
+    from trl_ext_plugins.losses.grpo import GRPOParams
+
+    case = {"theta": [[math.log(ratio)]], "old": [[0.0]], "advantages": [[-1.0]]}
+    assert_conforms(GRPO(GRPOParams(dual_clip=3.0)), lambda c, theta: (torch.tensor(value), torch.tensor([[slope]])),
+                    [case])

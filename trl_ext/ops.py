@@ -18,10 +18,18 @@ def safe_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
-    """Per-token loss -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) (PPO, arXiv 1707.06347; GRPO/DAPO use it per token)."""
+def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+                       dual_clip: float | None = None) -> torch.Tensor:
+    """Per-token loss -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) (PPO, arXiv 1707.06347; GRPO/DAPO use it per token).
+
+    ``dual_clip`` c > 1 (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729; verl ``clip_ratio_c`` 3): for A < 0 the loss
+    is further capped at -c*A, so a token with a huge ratio and a negative advantage cannot dominate (zero gradient
+    beyond the cap). ``None``: plain PPO."""
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    return -torch.min(ratio * advantages, clipped * advantages)
+    loss = -torch.min(ratio * advantages, clipped * advantages)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    return loss
 
 
 def cispo_objective(ratio: torch.Tensor, per_token_logps: torch.Tensor, advantages: torch.Tensor, eps_high: float,

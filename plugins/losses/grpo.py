@@ -21,6 +21,9 @@ class GRPOParams(PluginParams):
         "args.use_bias_correction_kl when given.")
     kl_clamp: float | None = Field(None, gt=0, description="Clamp the KL estimate to [-c, c] (verl: 10 for k3); None: "
                                                            "no clamp (paper, TRL).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (arXiv 1912.09729; verl clip_ratio_c "
+                                                            "3.0): for A<0 the token loss is capped at -c*A. None: "
+                                                            "plain PPO clip (paper, TRL).")
 
 
 class GRPO(ObjectivePlugin):
@@ -36,6 +39,7 @@ class GRPO(ObjectivePlugin):
     1.16 multiplies it by the importance ratio ``r`` (``use_bias_correction_kl``, default true), which the paper does
     not; this plugin follows TRL's field by default and ``kl_bias_correction: false`` gives the paper's plain k3
     (``true``/``false`` set the TRL field, so TRL's own path agrees). ``k3+`` keeps k3's value with k2's gradient.
+    ``dual_clip: c`` adds dual-clip PPO (Ye et al. 2020, arXiv 1912.09729; verl's ``clip_ratio_c``), off by default.
 
     Defaults: the clip range and KL weight are TRL's fields (``args.epsilon`` 0.2, ``args.beta``). The paper used
     beta=0.04 and G=64; TRL defaults to beta=0.0 (no reference model loaded) and G=8: set ``args.beta: 0.04`` for the
@@ -65,4 +69,5 @@ class GRPO(ObjectivePlugin):
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
         ratio = ops.safe_ratio(inputs.log_ratio)
-        return ops.ppo_clip_objective(ratio, inputs.advantages, inputs.epsilon_low, inputs.epsilon_high)
+        return ops.ppo_clip_objective(ratio, inputs.advantages, inputs.epsilon_low, inputs.epsilon_high,
+                                      self.params.dual_clip)
