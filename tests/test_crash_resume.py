@@ -1,0 +1,142 @@
+"""Kill -9 at every write point of a run, rerun the same command, get the uninterrupted run's result bit for bit.
+
+For an SFT, a GRPO and a DPO stage (tiny embedded model, 4 steps, a checkpoint every 2): one uninterrupted run, then
+for each write point a run killed there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py: ``os._exit(137)``, which is what
+SIGKILL leaves: no cleanup, no ``finally``) followed by the same command again. The resumed run's final weights
+(``model.safetensors``, compared tensor by tensor with ``torch.equal``) and every per-step metrics row must equal the
+uninterrupted run's. The end-of-training row is Trainer's own summary (runtimes; ``train_loss`` averaged over the
+steps of the session that logs it), so only its presence is compared.
+
+Each trainer runs in one subprocess that imports TRL once and forks a child per run (fork keeps the cost at training
+time, not import time); the child calls ``trl_ext.cli.main`` exactly as the command line does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMON_ARGS = {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "learning_rate": 1e-3, "seed": 0,
+               "lr_scheduler_type": "linear", "dataloader_num_workers": 0}
+RECIPES = {
+    "sft": {
+        "trainer": "sft", "model": "embedded:tiny-qwen2-small", "plugins": ["sft"],
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 64},
+        "args": {**COMMON_ARGS, "per_device_train_batch_size": 8, "max_length": 32},
+    },
+    "grpo": {
+        "trainer": "grpo", "model": "embedded:tiny-qwen2-small", "plugins": ["grpo", "exact_match"],
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 64},
+        "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
+                 "temperature": 1.0},
+    },
+    "dpo": {
+        "trainer": "dpo", "model": "embedded:tiny-qwen2-small", "plugins": ["dpo"],
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "preference"}, "limit": 64},
+        "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "max_length": 32, "beta": 0.1},
+    },
+}
+# Every write point of a stage (see trl_ext/faults.py), with the occurrence to kill at: the 2nd checkpoint's marker
+# (the first one is complete, so the rerun resumes from step 2), a metrics line mid-way, after training, during the
+# final save, and the atomic writes of the stage's completion marker and of run.json.
+ALL_POINTS = ["checkpoint:2", "metrics:3", "train_end:1", "final_save:1", "write:stage.json:1",
+              "write:started.json:1", "write:run.json:2"]
+# Every point for SFT; for GRPO and DPO the ones inside and right after their training (the rest is trainer-agnostic
+# runner code), which keeps each test to a few minutes on 2 CPU cores.
+CRASH_POINTS = {"sft": ALL_POINTS, "grpo": ["checkpoint:2", "metrics:3", "final_save:1"],
+                "dpo": ["checkpoint:2", "metrics:3", "final_save:1"]}
+
+
+def _driver(workdir: str, trainer: str) -> None:
+    """Runs in a subprocess: the uninterrupted run, then crash + rerun per point; prints one JSON line of results."""
+    import torch
+
+    torch.set_num_threads(1)
+    from trl_ext.cli import main
+
+    work = Path(workdir)
+    recipe = work / f"{trainer}.yaml"
+    recipe.write_text(json.dumps({"seed": 0, **RECIPES[trainer]}))
+
+    def run(out: Path, crash_at: str | None) -> int:
+        pid = os.fork()
+        if pid == 0:  # child: the command line, as a user would run it
+            if crash_at:
+                os.environ["TRL_EXT_CRASH_AT"] = crash_at
+            else:
+                os.environ.pop("TRL_EXT_CRASH_AT", None)
+            code = 1
+            try:
+                code = main(["train", str(recipe), "--output-dir", str(out)])
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    results = {"reference": run(work / "reference", None), "crashes": {}}
+    for point in CRASH_POINTS[trainer]:
+        out = work / point.replace(":", "_")
+        crashed = run(out, point)
+        resumed = run(out, None)
+        results["crashes"][point] = [crashed, resumed]
+    print("RESULTS " + json.dumps(results), flush=True)
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _step_rows(folder: Path) -> tuple[list[dict], int]:
+    """Per-step rows without wall-clock figures (GRPO logs `step_time`), and how many end-of-training rows."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]  # no torn line left
+    summary = [r for r in rows if "train_runtime" in r]
+    steps = [{k: v for k, v in r.items() if not k.endswith("_time")} for r in rows if "train_runtime" not in r]
+    return steps, len(summary)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", sorted(RECIPES))
+def test_killed_at_every_write_point_resumes_to_the_uninterrupted_result(tmp_path, trainer):
+    import torch
+
+    env = {**os.environ, "TRL_EXT_DISABLE_PLUGIN_AUTOLOAD": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TRL_EXT_CRASH_AT", None)
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path), trainer], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1500)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(lines[-1][len("RESULTS "):])
+    assert results["reference"] == 0, proc.stderr[-3000:]
+
+    reference = tmp_path / "reference" / "main"
+    ref_weights = _weights(reference)
+    ref_rows, ref_summaries = _step_rows(reference)
+    assert [r["step"] for r in ref_rows] == [1, 2, 3, 4] and ref_summaries == 1
+    for point, (crashed, resumed) in results["crashes"].items():
+        assert crashed == 137, f"{point}: the run was not killed at the point (exit {crashed})"
+        assert resumed == 0, f"{point}: the rerun failed (exit {resumed}): {proc.stderr[-3000:]}"
+        stage = tmp_path / point.replace(":", "_") / "main"
+        assert (stage / "stage.json").is_file(), point
+        weights = _weights(stage)
+        assert weights.keys() == ref_weights.keys()
+        different = [k for k in weights if not torch.equal(weights[k], ref_weights[k])]
+        assert not different, f"{point}: resumed weights differ from the uninterrupted run in {different[:3]}"
+        rows, summaries = _step_rows(stage)
+        assert rows == ref_rows, f"{point}: metrics rows differ\n{rows}\n{ref_rows}"
+        assert summaries == 1, point
+        assert not (stage.parent / ".trl-ext.lock").exists(), f"{point}: lock left behind after the rerun"
+        assert not list(stage.glob(".final-save")), point
+
+
+if __name__ == "__main__":
+    _driver(sys.argv[1], sys.argv[2])
