@@ -262,5 +262,5 @@ def test_grpo_dual_clip_by_hand(ratio, value, slope):
     from trl_ext_plugins.losses.grpo import GRPOParams
 
     case = {"theta": [[math.log(ratio)]], "old": [[0.0]], "advantages": [[-1.0]]}
-    assert_conforms(GRPO(GRPOParams(dual_clip=3.0)), lambda c, theta: (torch.tensor(value), torch.tensor([[slope]])),
+    assert_conforms(GRPO(GRPOParams(dual_clip=3.0)), lambda c, theta: (torch.tensor(value, dtype=D), torch.tensor([[slope]], dtype=D)),
                     [case])
