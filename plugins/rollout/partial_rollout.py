@@ -98,8 +98,11 @@ class PartialRollout(Plugin):
       ``rollout_logprobs``), so the plugin provides ``sampling_logprobs``: importance-sampling plugins (tis, mis,
       icepop, m2po) then correct the stale segment; ``mask_offpolicy: true`` removes it from the loss instead (a mask,
       so it also leaves the aggregation denominator);
-    * the buffer is saved with every checkpoint (``partial_rollout_rank<r>.json`` in the checkpoint folder) and
-      restored when training resumes from it, so no prefix is lost;
+    * the buffer is saved with every checkpoint (``partial_rollout_rank<r>.json`` in the checkpoint folder, written
+      atomically) and restored when training resumes from it, so no prefix is lost (dataset row values that are not
+      JSON types come back as their string form);
+    * the plugin implements ``trl_ext_token_weights`` (for ``mask_offpolicy``), so trl-ext's loss pipeline computes
+      the loss (TRL's loss re-expressed; TRL options it does not re-implement are refused at validation);
     * evaluation generates every trajectory to the end (plain TRL generation). Transformers generation only (no vLLM,
       tools, continuous batching or multimodal prompts); it fills the ``generation`` and ``refill`` slots, so it does
       not combine with ``rollout_logprobs`` or ``dynamic_sampling``.
@@ -132,8 +135,6 @@ class PartialRollout(Plugin):
     def trl_ext_validate_stage(self, stage, plugins):
         errors = [f"args.{key}: plugin {self.name!r} runs transformers generation; remove it when `{key}` is set"
                   for key in ("use_vllm", "use_transformers_continuous_batching") if stage.args.get(key)]
-        if stage.args.get("num_generations", 8) is not None and stage.args.get("num_generations", 8) < 1:
-            errors.append(f"plugin {self.name!r}: args.num_generations must be at least 1")
         return errors or None
 
     # -- the generation batch: resumed groups first, fresh prompts after ----------------------------------------------
