@@ -44,7 +44,9 @@ def _load_recipe(path: str, overrides: list[str], trl_command: str | None = None
     elif looks_like_trl_config(data):
         raise RecipeError(f"{path}: this is a TRL config file (model_name_or_path, no trainer); add --trl "
                           f"sft|grpo|rloo|dpo|kto|reward, or see it as a recipe with `trl-ext convert COMMAND {path}`")
-    return parse_recipe(apply_overrides(data, overrides or []))
+    recipe = parse_recipe(apply_overrides(data, overrides or []))
+    recipe._source_file = Path(path)
+    return recipe
 
 
 def cmd_convert(ns) -> int:
@@ -256,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # re-used verbatim when `distributed:` re-launches
     ns.debug = getattr(ns, "debug", False)
     ns.disabled_plugins = getattr(ns, "disabled_plugins", None) or []
+    if not ns.debug:
+        # Libraries' deprecation notices (e.g. transformers on TRL's own `gradient_checkpointing` default) say nothing
+        # the user can act on and repeat on every command; --debug shows them.
+        import warnings
+
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
     try:
         return ns.func(ns)
     except RecipeError as exc:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 from trl_ext.errors import RecipeError, UnknownPluginError
 
@@ -149,6 +150,9 @@ class Recipe(_Strict):
     output_dir: str | None = None
     seed: int | None = None
     distributed: DistributedSpec | None = None
+    # The file the recipe was read from (None when built in code): where to look for the recipes that build another
+    # run's outputs it uses, to name them when those outputs are missing.
+    _source_file: Path | None = PrivateAttr(default=None)
     stages: list[StageSpec] = Field(min_length=1)
 
     @model_validator(mode="before")

@@ -89,7 +89,8 @@ def preflight(recipe: Recipe, catalog, output_dir: str | Path | None = None, max
         resolved = resolve_recipe(recipe, catalog, max_steps=max_steps)
     except RecipeError as exc:
         errors += exc.messages
-    missing = [m for i, stage in enumerate(recipe.stages) for m in model_ref_errors(stage, f"stages[{i}]")
+    missing = [m + prerequisite_hint(m, recipe._source_file)
+               for i, stage in enumerate(recipe.stages) for m in model_ref_errors(stage, f"stages[{i}]")
                if m not in errors]
     if warn is None:
         errors += missing
@@ -100,6 +101,33 @@ def preflight(recipe: Recipe, catalog, output_dir: str | Path | None = None, max
     if errors:
         raise RecipeError(errors)
     return resolved
+
+
+def prerequisite_hint(message: str, recipe_file: Path | None) -> str:
+    """For a missing model folder that another recipe beside this one builds (``runs/quickstart/sft`` is stage
+    ``sft`` of the recipe whose ``output_dir`` is ``runs/quickstart``), the command that builds it."""
+    import re
+
+    import yaml
+
+    found = re.search(r"no such model folder '([^']+)'", message)
+    if recipe_file is None or found is None:
+        return ""
+    wanted = Path(found.group(1))
+    for candidate in sorted(recipe_file.parent.glob("*.yaml")):
+        try:
+            data = yaml.safe_load(candidate.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        stages = data.get("stages") or ([{"name": data.get("name", "main")}] if "trainer" in data else [])
+        out = Path(data.get("output_dir") or Path("runs") / candidate.stem)
+        for stage in stages:
+            if isinstance(stage, dict) and out / str(stage.get("name", "main")) == wanted:
+                return (f": it is stage {stage.get('name', 'main')!r} of {candidate}; build it first with "
+                        f"`trl-ext train {candidate}` from this directory")
+    return ""
 
 
 def output_dir_errors(output_dir: Path) -> list[str]:

@@ -174,8 +174,10 @@ def model_ref_errors(stage: StageSpec, where: str, missing_relative: bool = True
         if path.is_dir():
             if not (path / "config.json").is_file():
                 errors.append(f"{where}.{field_name}: {ref!r} is a folder without config.json, not a model folder")
+        elif path.is_file() and path.suffix == ".gguf":
+            continue  # a GGUF checkpoint, converted once into a model folder when the stage runs
         elif path.exists():
-            errors.append(f"{where}.{field_name}: {ref!r} is a file; give the model's folder")
+            errors.append(f"{where}.{field_name}: {ref!r} is a file; give the model's folder (or a .gguf file)")
         elif explicit or (missing_relative and not _HUB_ID.fullmatch(ref)):
             errors.append(f"{where}.{field_name}: no such model folder {ref!r} (and not a hub id)")
     return errors
