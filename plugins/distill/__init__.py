@@ -5,9 +5,11 @@ from trl_ext import hookimpl
 from trl_ext_plugins.distill.bond import BOND
 from trl_ext_plugins.distill.gkd import GKD
 from trl_ext_plugins.distill.opd import MultiTeacherOPD, OPDReward, StageTeachers
+from trl_ext_plugins.distill.rejection_sampling import RejectionSampling
 from trl_ext_plugins.distill.teacher_traces import TeacherTraces
 
-PLUGINS: tuple = (GKD, OPDReward, MultiTeacherOPD, StageTeachers, TeacherTraces, BOND)
+PLUGINS: tuple = (GKD, OPDReward, MultiTeacherOPD, StageTeachers, TeacherTraces, BOND,
+                  RejectionSampling)
 
 
 @hookimpl

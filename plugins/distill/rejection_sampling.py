@@ -1,0 +1,167 @@
+"""``rejection_sampling``: sample K, keep what a verifier accepts, SFT, iterate (RFT / STaR / ReST-EM)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext_plugins.preference import generation as gen
+
+logger = logging.getLogger("trl_ext.distill")
+
+
+class RejectionSamplingParams(PluginParams):
+    rounds: int = Field(3, ge=1, description="E-step/M-step iterations (ReST-EM: about 3). Each round trains the "
+                                             "stage's `max_steps`.")
+    k: int = Field(4, ge=1, description="Samples per prompt from the current policy (ReST-EM: 32 on MATH).")
+    max_per_prompt: int | None = Field(10, ge=1, description="Cap on accepted samples kept per prompt (ReST-EM: "
+                                                             "about 10), so easy prompts do not dominate; None: no cap.")
+    dedupe: bool = Field(True, description="Keep one copy of identical accepted responses per prompt (RFT keeps "
+                                           "distinct reasoning paths).")
+    verifier: str = Field("exact_match", description="Reward plugin whose reward decides acceptance.")
+    verifier_params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the verifier plugin.")
+    min_reward: float = Field(1.0, description="A sample is accepted when its reward is at least this.")
+    restart_from_base: bool = Field(False, description="ReST-EM: fine-tune each round from the base model (the "
+                                                       "stage's `model`) instead of continuing from the last round.")
+    max_new_tokens: int = Field(64, gt=0, description="Generation length limit.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (ReST-EM: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass.")
+    batch_size: int = Field(64, gt=0, description="Prompts per generate() call.")
+    seed: int = Field(0, description="Sampling seed (round r uses seed + r).")
+
+
+def select_accepted(groups: list[list[str]], rewards: list[list[float | None]], min_reward: float,
+                    max_per_prompt: int | None, dedupe: bool) -> list[tuple[int, str]]:
+    """(prompt index, response) pairs kept: accepted, deduplicated per prompt if asked, at most ``max_per_prompt``
+    per prompt, in sampling order. A prompt with no accepted sample contributes nothing."""
+    kept = []
+    for index, (texts, scores) in enumerate(zip(groups, rewards, strict=True)):
+        seen, count = set(), 0
+        for text, score in zip(texts, scores, strict=True):
+            if score is None or score < min_reward or (dedupe and text in seen):
+                continue
+            if max_per_prompt is not None and count >= max_per_prompt:
+                break
+            seen.add(text)
+            count += 1
+            kept.append((index, text))
+    return kept
+
+
+class RejectionSampling(Plugin):
+    """Rejection-sampling fine-tuning: STaR (arXiv 2203.14465), RFT (arXiv 2308.01825), ReST-EM (arXiv 2312.06585).
+
+    E-step: for each prompt of the stage's train split draw ``k`` responses from the current policy (temperature
+    sampling, transformers generation) and keep ``D_r = {(x, y): R(x, y) >= min_reward}`` with the ``verifier``
+    reward plugin, deduplicated and capped per prompt. M-step: the stage's SFT loss on ``D_r`` (``max_steps`` steps
+    with the stage's arguments). Round 1 runs as the stage itself (its dataset is built from the stage's model);
+    rounds 2.. run after it, each sampling from the model the previous round produced and training from it, or from
+    the base model with ``restart_from_base`` (ReST-EM), and the final round's model is the stage's output. The
+    acceptance rate (accepted / (prompts x k), before cap and dedupe) and the kept count of every round go to the
+    stage summary, ``<stage>/rejection_sampling.json`` and ``<stage>/rejection_sampling.png``. Defaults: 3 rounds,
+    cap 10 (ReST-EM), dedupe on (RFT), ``k = 4`` (small for CPU; the paper used 32). A round with nothing accepted is
+    an error naming the round.
+    """
+
+    name = "rejection_sampling"
+    aliases = ("rft", "rest_em")
+    family = "distill"
+    trainers = frozenset({"sft"})
+    Params = RejectionSamplingParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.history: list[dict[str, Any]] = []
+        self._base: str | None = None
+        self._prompts = None
+
+    @hookimpl
+    def trl_ext_prepare_dataset(self, dataset, split, stage):
+        if split != "train":
+            return None
+        if "prompt" not in dataset.column_names:
+            raise ValueError(f"rejection_sampling: the train dataset has no 'prompt' column "
+                             f"(has: {', '.join(dataset.column_names)})")
+        self._prompts = dataset.remove_columns([c for c in ("completion",) if c in dataset.column_names])
+        self._base = gen.resolve_model(stage.model, self.name)
+        model, tokenizer = gen.load_policy(self._base)
+        data, figures = self.e_step(model, tokenizer, round_index=1)
+        self.history = [figures]
+        return data
+
+    def e_step(self, model, tokenizer, round_index: int):
+        """Sample, verify, select: the round's SFT dataset and its figures."""
+        from datasets import Dataset
+
+        p = self.params
+        prompts = list(self._prompts["prompt"])
+        groups = gen.sample_completions(model, tokenizer, prompts, num_samples=p.k, max_new_tokens=p.max_new_tokens,
+                                        do_sample=True, temperature=p.temperature, top_p=p.top_p,
+                                        batch_size=p.batch_size, seed=p.seed + round_index)
+        score = gen.reward_function_from_plugin(p.verifier, p.verifier_params)
+        columns = {c: [v for v in self._prompts[c] for _ in range(p.k)] for c in self._prompts.column_names
+                   if c != "prompt"}
+        flat = score(prompts=[x for x in prompts for _ in range(p.k)],
+                     completions=[gen.as_completion(x, t) for x, g in zip(prompts, groups) for t in g], **columns)
+        rewards = [flat[i * p.k:(i + 1) * p.k] for i in range(len(prompts))]
+        accepted = sum(r is not None and r >= p.min_reward for r in flat)
+        kept = select_accepted(groups, rewards, p.min_reward, p.max_per_prompt, p.dedupe)
+        figures = {"round": round_index, "acceptance_rate": accepted / max(len(flat), 1), "kept": len(kept),
+                   "prompts_with_a_kept_sample": len({i for i, _ in kept})}
+        logger.info("rejection_sampling round %d: acceptance %.3f, kept %d", round_index,
+                    figures["acceptance_rate"], len(kept))
+        if not kept:
+            raise ValueError(f"rejection_sampling: round {round_index}: the verifier {p.verifier!r} accepted none of "
+                             f"the {len(flat)} samples")
+        rows = [{**self._prompts[i], "completion": gen.as_completion(self._prompts[i]["prompt"], text)}
+                for i, text in kept]
+        return Dataset.from_list(rows), figures
+
+    @hookimpl
+    def trl_ext_after_stage(self, stage, output_dir, trainer):
+        from accelerate import PartialState
+
+        for round_index in range(2, self.params.rounds + 1):
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            data, figures = self.e_step(model, trainer.processing_class, round_index)
+            self.history.append(figures)
+            start = self._base if self.params.restart_from_base else model
+            trainer = next_round_trainer(trainer, start, data, round_index)
+            trainer.train()
+            trainer.save_model(output_dir)
+        if PartialState().is_main_process:
+            write_history(Path(output_dir), self.history)
+        return {"rejection_sampling": self.history}
+
+
+def next_round_trainer(previous, model, dataset, round_index: int):
+    """A fresh SFT trainer of the same kind and arguments on ``dataset``, starting from ``model`` (a path restarts
+    from those weights; a module continues from it). Its checkpoints go to ``<checkpoints>/round-<r>`` so the
+    runner's resume logic only ever sees round 1's; the stage's metrics file is left to round 1 (the rounds' figures
+    are in ``rejection_sampling.json``)."""
+    import copy
+
+    args = copy.deepcopy(previous.args)
+    args.output_dir = str(Path(previous.args.output_dir) / f"round-{round_index}")
+    return type(previous)(model=model, args=args, train_dataset=dataset, processing_class=previous.processing_class,
+                          plugin_host=previous.plugin_host)
+
+
+def write_history(directory: Path, history: list[dict[str, Any]]) -> None:
+    from matplotlib.figure import Figure
+
+    from trl_ext.runner import write_json_atomic
+
+    write_json_atomic(directory / "rejection_sampling.json", history)
+    figure = Figure(figsize=(5, 3.5), layout="constrained")
+    axes = figure.subplots()
+    axes.plot([h["round"] for h in history], [h["acceptance_rate"] for h in history], marker="o")
+    axes.set_xlabel("round")
+    axes.set_ylabel("acceptance rate")
+    axes.set_ylim(0, 1)
+    axes.set_title("rejection sampling: verifier acceptance per round")
+    figure.savefig(directory / "rejection_sampling.png")
