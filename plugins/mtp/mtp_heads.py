@@ -147,7 +147,7 @@ class MtpHeads(Plugin):
         figures = dict(self._figures)
         figures["after"] = self._measure(output_dir, prompts, trainer.args.seed)
         labels = {"heads_from": f"heads_from\n({self.params.heads_from})", "before": "before\n(start of stage)",
-                  "after": "after\n(healed)"}
+                  "after": "after\n(end of stage)"}
         plot = plot_acceptance({labels[k]: v for k, v in figures.items()}, Path(output_dir) / PLOT_FILE,
                                title=f"MTP acceptance, stage {stage.name!r}")
         write_json_atomic(Path(output_dir) / FIGURES_FILE, {k: v.as_dict() for k, v in figures.items()})
