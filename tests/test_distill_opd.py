@@ -11,7 +11,7 @@ from trl_ext.recipe import Recipe, StageSpec, validate_recipe
 from trl_ext.stage import resolve_stage
 from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill.opd import (MultiTeacherOPD, MultiTeacherParams, OPDReward, OPDRewardParams,
-                                         StageTeachers, StageTeachersParams)
+                                         StageTeachersParams)
 
 
 @pytest.fixture(scope="module")
