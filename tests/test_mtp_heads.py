@@ -210,6 +210,35 @@ def test_teacher_forced_depth_logits_equal_transformers_drafts(trained):
         assert torch.allclose(ours[length - 2][finite], draft[finite], atol=1e-4), length
 
 
+def test_two_depth_teacher_forcing_equals_transformers_mtp_forward():
+    """Depth 2 reads depth 1's output and the next token, one position further on: run transformers' own drafting
+    forward (MtpModel.forward over a prefilled prefix, the call MTPCandidateGenerator makes) with two fresh layers
+    and compare both drafted logit vectors with the trainer's teacher-forced ones on the sequence extended by the
+    first draft (which is the token depth 2 reads in transformers' loop)."""
+    from transformers.cache_utils import MtpCache
+
+    from trl_ext.embedded.models import build_model
+    from trl_ext.trainers.mtp import fresh_heads
+
+    model = build_model("tiny-glm4-moe-mtp", seed=0).eval()
+    model.config.num_mtp_layers = 2
+    heads = fresh_heads(model, 2, seed=1).eval()
+    sequence = torch.tensor([[5, 6, 14, 7, 18, 9, 12]])
+    width = sequence.shape[1]
+    with torch.no_grad():
+        hidden, _ = trunk_forward(model, sequence[:, :-1], torch.ones_like(sequence[:, :-1]))
+        positions = torch.arange(1, width)[None]
+        tokens, logits, _ = heads(input_ids=sequence[:, 1:], last_hidden_states=hidden, attention_mask=None,
+                                  position_ids=positions, mtp_cache=MtpCache(config=model.config.get_mtp_config()))
+        extended = torch.cat([sequence, tokens[:, :1]], dim=1)
+        h, policy_logits = trunk_forward(model, extended, torch.ones_like(extended))
+        mask = torch.ones_like(extended, dtype=torch.bool)
+        ours = depth_outputs(heads, h, policy_logits, extended, mask)
+    assert len(ours) == 2
+    assert torch.allclose(ours[0].logits[0, width - 2], logits[0, 0], atol=1e-4)
+    assert torch.allclose(ours[1].logits[0, width - 2], logits[0, 1], atol=1e-4)
+
+
 def test_hard_loss_trains_too(model_dir, tmp_path):
     trainer = _trainer(model_dir, tmp_path, loss="hard")
     before = {n: p.detach().clone() for n, p in trainer.head_parameters().items()}
