@@ -23,8 +23,10 @@ def test_assert_lines_parse_into_call_tests():
 
 
 def test_dict_apps_and_json_forms():
-    assert parse_tests([{"fn": "g", "args": [[1, 2]], "expected": {"a": 1}}]) == [CallTest("g", "([1, 2],)", "{}", {"a": 1})]
-    assert parse_tests({"fn_name": "h", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]})[1] == CallTest("h", "(3, 4)", "{}", 7)
+    as_dict = parse_tests([{"fn": "g", "args": [[1, 2]], "expected": {"a": 1}}])
+    assert as_dict == [CallTest("g", "([1, 2],)", "{}", {"a": 1})]
+    apps = parse_tests({"fn_name": "h", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]})
+    assert apps[1] == CallTest("h", "(3, 4)", "{}", 7)
     assert parse_tests(json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})) == [StdioTest("1 2\n", "3\n")]
     assert parse_tests([{"input": "5", "output": "6"}]) == [StdioTest("5", "6")]
     assert parse_tests(None) == [] and parse_tests("") == [] and parse_tests("[]") == []
@@ -89,7 +91,8 @@ def test_extract_code():
 
 
 def test_rows_that_fit_neither_format_are_named():
-    problems = row_problems([json.dumps(["assert f(1) == 2"]), "assert g(1) > 2", None, [{"stdin": "1", "stdout": "1"}]])
+    rows = [json.dumps(["assert f(1) == 2"]), "assert g(1) > 2", None, [{"stdin": "1", "stdout": "1"}]]
+    problems = row_problems(rows)
     assert len(problems) == 1 and problems[0].startswith("row 1: ") and "assert g(1) > 2" in problems[0]
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from trl_ext_plugins.rewards import sandbox
 from trl_ext_plugins.rewards.code_tests import parse_tests
-from trl_ext_plugins.rewards.sandbox import SandboxLimits, bwrap_problem, confinement, run_sample
+from trl_ext_plugins.rewards.sandbox import bwrap_problem, confinement, run_sample
 from trl_ext_plugins.rewards.unit_tests import UnitTests, UnitTestsParams
 
 if bwrap_problem() is not None:  # .ci/run installs bubblewrap; without it the reward refuses to run (tested below)
@@ -202,7 +202,8 @@ def test_candidate_cannot_read_tests_or_expected_values(monkeypatch):
 
 def test_candidate_sees_no_project_source_nor_site_packages():
     probe = ("import os, sys\ndef f(x):\n    return [p for p in ('/work', '/root', '/etc', '/run', '/var', '/home') "
-             "if os.path.exists(p)] + [p for p in sys.path if os.path.isdir(p) and 'packages' in p and os.listdir(p)]\n")
+             "if os.path.exists(p)] + [p for p in sys.path\n"
+             "        if os.path.isdir(p) and 'packages' in p and os.listdir(p)]\n")
     said, _ = outputs(probe)
     assert said == ["[]"] * 3
 

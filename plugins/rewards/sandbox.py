@@ -29,7 +29,7 @@ uid of the sample's own, so the count is the sample's total), ``RLIMIT_AS`` per 
 ``max_processes x memory_bytes``, not ``memory_bytes``), bubblewrap's ``--size`` on the ``/tmp`` tmpfs (no file-count
 cap beyond what fits in memory), no CPU quota. :func:`isolation_report` says which applies.
 Always: per-test CPU seconds (``RLIMIT_CPU`` in the test's process) and wall seconds (the harness kills the test and
-every other process in the namespace), a per-sample wall clock in the trainer (it kills the sandbox), ``RLIMIT_FSIZE``,
+every other process in the namespace), deadlines in the trainer for each reply (it kills the sandbox), ``RLIMIT_FSIZE``,
 ``RLIMIT_NOFILE``, no core dumps, an output cap per test.
 
 ``unsafe_subprocess`` (explicit opt-in only): the same harness as a plain subprocess with rlimits and a temp work dir.
@@ -46,7 +46,6 @@ import itertools
 import json
 import os
 import random
-import resource
 import select
 import shutil
 import signal
@@ -56,7 +55,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -97,7 +96,6 @@ class SampleRun:
     seconds: float = 0.0
     peak_memory_bytes: int | None = None  # cgroup memory high-water mark (cgroup confinement only)
     diagnostics: str = ""  # bubblewrap's own error output, if any
-    limits_applied: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -425,7 +423,8 @@ def run_sample(source: str, requests: list[dict], limits: SandboxLimits = Sandbo
     try:
         if backend == "bwrap":
             root_tmp = conf.root
-            tmpfs = f"size={limits.tmp_bytes},nr_inodes={limits.max_files},mode=0700,uid={uid},gid={uid}" if root_tmp else None
+            tmpfs = (f"size={limits.tmp_bytes},nr_inodes={limits.max_files},mode=0700,uid={uid},gid={uid}"
+                     if root_tmp else None)
             argv = launcher_command(python, bwrap_command(python, root_tmp, limits), limits, uid,
                                     cgroups.procs_files if cgroups else [], tmpfs, cgroups is not None)
             cwd = "/"
@@ -461,7 +460,7 @@ def run_sample(source: str, requests: list[dict], limits: SandboxLimits = Sandbo
 
 def _end(proc: subprocess.Popen) -> None:
     """End the sandbox: the harness exits on end of input (and, as init, takes the namespace with it); a harness
-    that does not is killed first, so bwrap reaps it (killing bwrap first would leave it a zombie of the host's init)."""
+    that does not is killed first, so bwrap reaps it (killing bwrap first would leave a zombie of the host's init)."""
     for stream in (proc.stdin, proc.stdout):
         try:
             stream.close()
