@@ -186,3 +186,37 @@ def test_checkpoint_average_on_a_training_stage(tmp_path):
         assert torch.equal(averaged[key], ((four[key].double() + six[key].double()) / 2).float()), key
     assert not torch.equal(four["model.layers.0.mlp.up_proj.weight"], six["model.layers.0.mlp.up_proj.weight"])
     assert "after" in info["stages"]["sft"]["eval"]
+
+
+@pytest.mark.slow
+def test_warp_anchor_survives_a_crash(tmp_path):
+    """Killed (as by SIGKILL) while marking checkpoint-3 of an RL stage; the rerun resumes from checkpoint-2 with the
+    EMA anchor of step 2 restored, so the anchor at step 3 is 0.99 e_2 + 0.01 theta_3 (not 0.99 theta_init + ...)."""
+    import os
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "warp_rl.yaml"
+    recipe.write_text(json.dumps({"seed": 0, "stages": [{
+        "name": "rl", "trainer": "rloo", "model": "embedded:tiny-qwen2", "dataset": PROMPTS,
+        "plugins": ["warp", "exact_match"],
+        "args": {"max_steps": 3, "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 4,
+                 "learning_rate": 1e-3, "save_steps": 1, "gradient_checkpointing": False}}]}))
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "trl_ext.cli", "train", str(recipe), "--output-dir", str(out)]
+    crashed = subprocess.run(command, env={**os.environ, "TRL_EXT_CRASH_AT": "checkpoint:3"}, capture_output=True,
+                             text=True, timeout=900)
+    assert crashed.returncode == 137, crashed.stderr[-2000:]
+    ckpt = out / "rl" / "checkpoints"
+    anchor_2 = load_file(str(ckpt / "checkpoint-2" / ANCHOR_FILE))
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    init = load_file(str(out / "_embedded" / "tiny-qwen2" / "model.safetensors"))
+    theta_3 = load_file(str(ckpt / "checkpoint-3" / "model.safetensors"))
+    anchor_3 = load_file(str(ckpt / "checkpoint-3" / ANCHOR_FILE))
+    key = "model.layers.0.mlp.up_proj.weight"
+    continued = 0.99 * anchor_2[key].double() + 0.01 * theta_3[key].double()
+    restarted = 0.99 * init[key].double() + 0.01 * theta_3[key].double()
+    assert torch.allclose(anchor_3[key].double(), continued, atol=1e-7)
+    assert not torch.allclose(anchor_3[key].double(), restarted, atol=1e-7)

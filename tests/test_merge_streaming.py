@@ -163,9 +163,13 @@ def test_checkpoint_average_merge_stage_of_named_stages(family, tmp_path):
 def test_checkpoint_average_of_a_training_stages_checkpoints(family, tmp_path):
     """checkpoint-2, checkpoint-4 and a final model at step 5 (not checkpointed): last_n 2 averages ckpt-4 + final,
     written into the stage folder, and the trainer's model is updated in place."""
+    from trl_ext.callbacks import CHECKPOINT_COMPLETE
+
     stage_dir = tmp_path / "run" / "sft"
     for step, folder in ((2, family["init"]), (4, family["runs"][0])):
         _merge_stage_dir(stage_dir / "checkpoints", f"checkpoint-{step}", folder)
+        (stage_dir / "checkpoints" / f"checkpoint-{step}" / CHECKPOINT_COMPLETE).write_text("{}")
+    (stage_dir / "checkpoints" / "checkpoint-5").mkdir()  # killed while saving: no marker, never averaged
     _merge_stage_dir(stage_dir.parent, "sft", family["runs"][1])
     model = AutoModelForCausalLM.from_pretrained(stage_dir)
     plugin = CheckpointAverage(CheckpointAverageParams(last_n=2, mode="weighted", weights=[1.0, 3.0]))
@@ -181,6 +185,7 @@ def test_checkpoint_average_of_a_training_stages_checkpoints(family, tmp_path):
         assert torch.equal(on_disk[key], expected[key]) and torch.equal(in_memory[key], expected[key]), key
     # identical checkpoints average to themselves (step 5 checkpointed: the final model is not added twice)
     _merge_stage_dir(stage_dir / "checkpoints", "checkpoint-5", stage_dir)
+    (stage_dir / "checkpoints" / "checkpoint-5" / CHECKPOINT_COMPLETE).write_text("{}")
     before = _weights(stage_dir)
     summary = CheckpointAverage(CheckpointAverageParams(last_n=1)).trl_ext_after_stage(
         stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer(model, step=5))

@@ -178,11 +178,18 @@ def _replace_weights(out_dir: Path, tmp: Path) -> None:
 
 
 def checkpoint_folders(checkpoint_dir: str | Path) -> list[Path]:
-    """``checkpoint-<step>`` folders of a TRL/HF run, oldest first (by step number, not by name)."""
+    """Complete ``checkpoint-<step>`` folders of a stage, oldest first (by step number, not by name).
+
+    Complete means marked by the runner once every file was written (``trl_ext.callbacks.CHECKPOINT_COMPLETE``): a
+    folder left by a process killed while saving is never averaged.
+    """
+    from trl_ext.callbacks import CHECKPOINT_COMPLETE
+
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in checkpoint_dir.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in checkpoint_dir.iterdir()
+             if p.is_dir() and (m := CHECKPOINT_RE.match(p.name)) and (p / CHECKPOINT_COMPLETE).is_file()]
     return [p for _, p in sorted(found)]
 
 

@@ -170,8 +170,14 @@ class Warp(Plugin):
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
-        if getattr(trainer, "ref_model", None) is not None:
-            trainer.add_callback(EmaAnchorState(trainer))
+        if getattr(trainer, "ref_model", None) is None:
+            return
+        from trl_ext.callbacks import CheckpointCompletionCallback
+
+        # The anchor must be in a checkpoint before the runner marks the checkpoint complete (both write on_save).
+        callbacks = trainer.callback_handler.callbacks
+        marker = next((i for i, cb in enumerate(callbacks) if isinstance(cb, CheckpointCompletionCallback)), None)
+        callbacks.insert(len(callbacks) if marker is None else marker, EmaAnchorState(trainer))
 
     @hookimpl
     def trl_ext_after_stage(self, stage, output_dir, trainer):
