@@ -89,3 +89,17 @@ def test_reward_is_the_functional_match_with_the_expert_action():
     assert reward.name == "pivot_rl"
     assert reward.fn(completions=["add(34,12)", "sub(34,12)", "ans(9)"],
                      expert_action=["add(12,34)", "sub(12,34)", "ans(9)"]) == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_turn_level_grpo_steps_on_pivot_rows(tiny_trainer):
+    """Plumbing: GRPO trains on pivot rows (state prompt, expert action) with the functional-match reward logged."""
+    from datasets import Dataset
+
+    rows = expert_turn_rows(calc_tool_trajectories(size=8)["messages"])
+    plugin = PivotRL()
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=Dataset.from_list(rows),
+                           args={"max_completion_length": 8, "max_steps": 2})
+    trainer.train()
+    logged = {k for row in trainer.state.log_history for k in row}
+    assert "rewards/pivot_rl/mean" in logged and trainer.state.global_step == 2

@@ -120,3 +120,16 @@ def test_solver_dataset_from_real_models(tiny_model_dir):
     strict = SelfPlay(SelfPlay.Params(role="solver", partner=tiny_model_dir, num_questions=4, samples=2))
     with pytest.raises(ValueError, match="wrote no well-formed problem in 4 tries"):
         strict.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)
+
+
+@pytest.mark.slow
+def test_proposer_grpo_steps_with_a_real_solver(tiny_trainer, tiny_model_dir):
+    """Plumbing: the proposer role's reward samples the partner solver during GRPO and logs the self-play figures."""
+    plugin = SelfPlay(SelfPlay.Params(role="proposer", partner=tiny_model_dir, samples=4,
+                                      question_pattern=r"^\d+\+.+"))  # loose: the untrained proposer writes noise
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=arithmetic_proposals("train", size=16),
+                           args={"max_steps": 2})
+    trainer.train()
+    logged = {k for row in trainer.state.log_history for k in row}
+    assert {"rewards/self_play/mean", "self_play/valid", "self_play/agreement", "self_play/in_band"} <= logged
+    assert len(plugin.history) == 2
