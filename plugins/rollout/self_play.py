@@ -88,8 +88,8 @@ class SelfPlay(Plugin):
 
     Conventions chosen: answers are the first ``answer_pattern`` match of a completion (empty when none: it counts in
     p_hat's denominator but never wins the vote); ties in the vote go to the answer seen first; sampling draws from the
-    full distribution at ``temperature`` with a fixed ``seed`` (forked RNG). The solver model is loaded once per stage
-    on the proposer's device (main memory on CPU). Not implemented: BLEU clustering and R-Zero's format tags.
+    full distribution at ``temperature`` with a fixed ``seed`` (forked RNG). The partner model is loaded once per stage with
+    ``from_pretrained`` defaults (CPU), next to the trained policy. Not implemented: BLEU clustering and R-Zero's format tags.
     """
 
     name = "self_play"
