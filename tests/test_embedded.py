@@ -302,12 +302,16 @@ def test_evaluate_generation_scores_an_oracle(tokenizer):
     oracle = OracleModel(tokenizer)
     assert oracle.training
     result = evaluate_generation(oracle, tokenizer, data, exact_match_reward, batch_size=64)
+    samples = result.pop("samples")
     assert result == {"accuracy": 1.0, "reward_mean": 1.0, "n": 200}
+    assert [s["prompt"] for s in samples] == data["prompt"][:5]  # eval.json shows a few completions with rewards
+    assert all(s["reward"] == 1.0 and s["completion"].startswith(a) for s, a in zip(samples, data["answer"]))
     assert oracle.training  # the training mode is given back
     wrong = evaluate_generation(OracleModel(tokenizer, wrong=True).eval(), tokenizer, data, exact_match_reward)
     assert wrong["accuracy"] == 0.0
     sampled = evaluate_generation(oracle, tokenizer, data, exact_match_reward, greedy=False, num_samples=3)
-    assert sampled == {"accuracy": 1.0, "reward_mean": 1.0, "n": 600}
+    assert {k: sampled[k] for k in ("accuracy", "reward_mean", "n")} == {"accuracy": 1.0, "reward_mean": 1.0, "n": 600}
+    assert [s["prompt"] for s in sampled["samples"]] == [data["prompt"][0]] * 3 + [data["prompt"][1]] * 2
 
 
 def test_evaluate_generation_on_a_real_model_is_deterministic(tokenizer):
@@ -343,9 +347,17 @@ def test_plot_curves_writes_a_png(tmp_path):
     )
     dpo = tmp_path / "dpo.jsonl"  # logs nothing the panels draw
     dpo.write_text(json.dumps({"step": 1, "rewards/margins": 0.1}))
-    out = plot_curves({"sft": sft, "grpo": grpo, "dpo": dpo, "missing": tmp_path / "none.jsonl"}, tmp_path / "a/c.png")
+    evaluations = {"sft": {"before": {"accuracy": 0.0}, "after": {"accuracy": 0.4}},
+                   "grpo": {"before": {"accuracy": 0.4}, "after": {"accuracy": 0.6}}}
+    out = plot_curves({"sft": sft, "grpo": grpo, "dpo": dpo, "missing": tmp_path / "none.jsonl"}, tmp_path / "a/c.png",
+                      evaluations)
     assert out == tmp_path / "a/c.png"
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+    from PIL import Image
+
+    assert Image.open(out).size == (1650, 400)  # loss, reward and held-out accuracy panels
+    only_loss = plot_curves({"sft": sft}, tmp_path / "b.png")  # the empty reward panel is left out, not drawn flat
+    assert Image.open(only_loss).size == (550, 400)
 
 
 def test_plot_curves_without_any_data(tmp_path):

@@ -4,6 +4,8 @@ from collections.abc import Callable
 
 import torch
 
+NUM_SHOWN_SAMPLES = 5
+
 
 @torch.no_grad()
 def evaluate_generation(
@@ -22,7 +24,7 @@ def evaluate_generation(
     `reward_fn` is called like a TRL reward function: `reward_fn(prompts=..., completions=..., **columns)`
     with the dataset's other columns (e.g. `answer`) repeated once per sample. Returns
     {"accuracy": share of completions earning the full reward 1.0, "reward_mean": mean reward,
-    "n": number of completions scored}. Greedy decoding is deterministic and ignores `temperature`
+    "n": number of completions scored, "samples": the first few prompts, completions and rewards}. Greedy decoding is deterministic and ignores `temperature`
     and `num_samples` (every sample would be the same); sampling draws `num_samples` per prompt.
     The model is put in eval mode for generation and given back in the mode it came in.
     """
@@ -71,10 +73,14 @@ def evaluate_generation(
         **{name: repeat(values) for name, values in columns.items()},
     )
     n = len(rewards)
+    shown = repeat(prompts)[:NUM_SHOWN_SAMPLES]
     return {
         "accuracy": sum(reward >= 1.0 for reward in rewards) / n if n else 0.0,
         "reward_mean": sum(rewards) / n if n else 0.0,
         "n": n,
+        # A few completions with their rewards, so eval.json shows what the numbers mean.
+        "samples": [{"prompt": prompt, "completion": completion, "reward": reward}
+                    for prompt, completion, reward in zip(shown, completions, rewards)],
     }
 
 

@@ -394,7 +394,9 @@ def _run_stages(recipe: Recipe, resolved: list[ResolvedStage], fingerprints: dic
         from trl_ext.plotting import plot_curves
 
         metrics = {rs.spec.name: output_dir / rs.spec.name / "metrics.jsonl" for rs in resolved}
-        run_info["plot"] = str(plot_curves({k: v for k, v in metrics.items() if v.exists()}, output_dir / "curves.png"))
+        evaluations = {name: summary.get("eval", {}) for name, summary in run_info["stages"].items()}
+        run_info["plot"] = str(plot_curves({k: v for k, v in metrics.items() if v.exists()}, output_dir / "curves.png",
+                                           evaluations))
         run_info["status"] = "complete"
         write_json_atomic(output_dir / "run.json", run_info)
         ctx.echo(format_summary(run_info))
