@@ -125,3 +125,20 @@ def test_embedded_code_task_rows_are_valid_and_solvable_by_their_references():
     assert reference_solution("call", int(a_b[0]), int(a_b[1])) in code_tasks_dataset(
         "train", format="prompt_completion")[train["prompt"].index(call["prompt"])]["completion"]
     assert all(isinstance(t, (CallTest, StdioTest)) for row in train["tests"] for t in parse_tests(row))
+
+
+def test_imperfect_demonstrations_change_completions_never_tests():
+    from trl_ext.embedded.code_tasks import code_tasks_dataset
+
+    clean = code_tasks_dataset("train", format="prompt_completion", size=50)
+    buggy = code_tasks_dataset("train", format="prompt_completion", size=50, buggy_fraction=1.0)
+    assert clean["tests"] == buggy["tests"] and clean["prompt"] == buggy["prompt"]
+    for prompt, good, bad in zip(clean["prompt"], clean["completion"], buggy["completion"]):
+        a, b = prompt.split("x*")[1].rstrip(":\n").split("+")
+        assert f"*{a}+{b}\n" in good or f"*{a}+{b})" in good
+        assert f"*{a}+{b}+1" in bad
+    some = code_tasks_dataset("train", format="prompt_completion", buggy_fraction=0.6)["completion"]
+    share = sum("+1\n" in c or "+1)" in c for c in some) / len(some)
+    assert 0.5 < share < 0.75  # about 60% (plus the rows whose b is 1)
+    with pytest.raises(ValueError, match="buggy_fraction"):
+        code_tasks_dataset(buggy_fraction=1.5)

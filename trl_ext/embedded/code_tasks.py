@@ -37,10 +37,12 @@ def _problems(split: str, seed: int, max_a: int, max_b: int, test_size: int) -> 
     return problems[:test_size] if split == "test" else problems[test_size:]
 
 
-def reference_solution(style: str, a: int, b: int) -> str:
+def reference_solution(style: str, a: int, b: int, off_by_one: bool = False) -> str:
+    """The correct program, or (``off_by_one``) the same program with the classic ``+1`` bug."""
+    expression = f"{a}+{b}+1" if off_by_one else f"{a}+{b}"
     if style == "call":
-        return f"def f(x):\n return x*{a}+{b}\n"
-    return f"print(int(input())*{a}+{b})\n"
+        return f"def f(x):\n return x*{expression}\n"
+    return f"print(int(input())*{expression})\n"
 
 
 def hidden_tests(style: str, a: int, b: int) -> str:
@@ -51,13 +53,19 @@ def hidden_tests(style: str, a: int, b: int) -> str:
 
 
 def code_tasks_dataset(split: str = "train", format: str = "prompt", seed: int = 0, max_a: int = 9, max_b: int = 19,
-                       test_size: int = 60, size: int | None = None) -> Dataset:
+                       test_size: int = 60, size: int | None = None, buggy_fraction: float = 0.0) -> Dataset:
     """The `split` of the code task in a TRL dataset `format`.
 
     - "prompt_completion": prompt, completion (reference program + eos), tests; for SFTTrainer.
     - "prompt": prompt, tests; for GRPOTrainer / RLOOTrainer with the ``unit_tests`` reward.
-    `size` keeps the first `size` problems of the (shuffled) split.
+    `size` keeps the first `size` problems of the (shuffled) split. `buggy_fraction` of the "prompt_completion" rows
+    (chosen by a seeded draw) show the off-by-one program instead of the correct one: imperfect demonstrations, as
+    scraped code is, which the unit-test reward can correct and imitation cannot. The tests are always the correct
+    program's.
     """
+    if not 0.0 <= buggy_fraction <= 1.0:
+        raise ValueError(f"buggy_fraction must be in [0, 1], got {buggy_fraction}")
+    buggy = random.Random(f"{seed}:buggy")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     problems = _problems(split, seed, max_a, max_b, test_size)
@@ -69,6 +77,6 @@ def code_tasks_dataset(split: str = "train", format: str = "prompt", seed: int =
     for style, a, b in problems:
         row = {"prompt": f"{style} x*{a}+{b}:\n", "tests": hidden_tests(style, a, b)}
         if format == "prompt_completion":
-            row["completion"] = reference_solution(style, a, b) + EOS_TOKEN
+            row["completion"] = reference_solution(style, a, b, buggy.random() < buggy_fraction) + EOS_TOKEN
         rows.append(row)
     return Dataset.from_list(rows)
