@@ -202,12 +202,14 @@ def load_into_model(model, folder: str | Path) -> bool:
     """Copy a model folder's tensors into ``model``'s parameters and buffers in place (no second model in memory).
 
     Returns False (and changes nothing) when the file's tensor names or shapes are not exactly the module's (e.g. a
-    checkpoint format transformers converts on load, or parameters sharded by ZeRO-3); the files on disk are then
-    the only merged copy.
+    checkpoint format transformers converts on load, or parameters sharded by ZeRO-3 or FSDP2); the files on disk are
+    then the only merged copy (later stages read them; the stage's own after-evaluation then scores the last weights).
     """
     index = tensor_index(folder)
     targets = dict(model.state_dict(keep_vars=True))
     if any(name not in targets or tuple(targets[name].shape) != info.shape for name, info in index.items()):
+        return False
+    if any(type(t).__name__ == "DTensor" for t in targets.values()):  # FSDP2 shards: a full-tensor copy_ is refused
         return False
     for name, info in index.items():
         target = targets[name]
