@@ -42,3 +42,14 @@ def test_library_deprecation_notices_are_not_printed_unless_debugging():
                            capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0, quiet.stderr
     assert "FutureWarning" not in quiet.stderr and "DeprecationWarning" not in quiet.stderr
+
+
+def test_models_and_datasets_commands_list_the_embedded_names(capsys):
+    import json
+
+    assert main(["models", "--json"]) == 0
+    models = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert models["tiny-qwen2"]["use_as"] == "embedded:tiny-qwen2" and "tiny-qwen3-moe" in models
+    assert main(["datasets"]) == 0
+    out = capsys.readouterr().out
+    assert "embedded:arithmetic" in out and out.splitlines()[0].split() == ["name", "use", "as", "registered", "by"]

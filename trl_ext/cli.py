@@ -4,6 +4,7 @@
     trl-ext validate RECIPE [--set PATH=VALUE ...]
     trl-ext train|validate TRL_CONFIG --trl grpo|sft|dpo|...   (a file `trl grpo --config` takes)
     trl-ext convert grpo TRL_CONFIG                             (print the equivalent recipe)
+    trl-ext models | datasets [--json]                          (built-in embedded:<name> models and datasets)
     trl-ext plugins list [--json]
     trl-ext plugins show NAME
 
@@ -249,7 +250,26 @@ def build_parser() -> argparse.ArgumentParser:
     pshow = psub.add_parser("show", help="a plugin's description, parameters and needs", parents=[common])
     pshow.add_argument("name")
     pshow.set_defaults(func=cmd_plugins_show)
+
+    for kind in ("models", "datasets"):
+        listing = sub.add_parser(kind, help=f"built-in {kind} (use as `embedded:<name>` in recipes)", parents=[common])
+        listing.add_argument("--json", action="store_true")
+        listing.set_defaults(func=cmd_named_list, kind=kind)
     return parser
+
+
+def cmd_named_list(ns) -> int:
+    """``trl-ext models`` / ``trl-ext datasets``: the names recipes can use as ``embedded:<name>``, with their source."""
+    table = getattr(_catalog(ns), ns.kind)
+    rows = [{"name": name, "use_as": f"embedded:{name}", "registered_by": source}
+            for name, (_build, source) in sorted(table.items())]
+    if ns.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'name':<28}{'use as':<38}registered by")
+    for row in rows:
+        print(f"{row['name']:<28}{row['use_as']:<38}{row['registered_by']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
