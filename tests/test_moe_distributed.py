@@ -28,7 +28,8 @@ def test_r3_on_two_processes(tmp_path, backend):
     result = subprocess.run([sys.executable, "-m", "trl_ext.cli", "train", str(path), "--output-dir", str(out)],
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [row for row in [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()] if "routing_replay/replayed_mismatch" in row]
+    logged = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in logged if "routing_replay/replayed_mismatch" in row]
     assert len(rows) == 2
     assert all(row["routing_replay/replayed_mismatch"] == 0.0 for row in rows)
     # the old-policy forward runs once per generation batch (num_iterations 2: the first of the two steps)
