@@ -137,7 +137,8 @@ def test_replay_on_each_family(model_type):
     handles = []
     for router, _family in state.routers:
         handles.append(router.register_forward_pre_hook(lambda m, a: seen.append(("in", m, a[0]))))
-        handles.append(parents[id(router)].experts.register_forward_pre_hook(lambda m, a: seen.append(("ex", a[1], a[2]))))
+        experts = parents[id(router)].experts
+        handles.append(experts.register_forward_pre_hook(lambda m, a: seen.append(("ex", a[1], a[2]))))
     for p in model.parameters():
         p.grad = None
     state.begin(forced, replay=True, record=False)

@@ -18,10 +18,11 @@ ROUTES_KEY = "routing_replay_routes"  # RolloutBatch.loss_extras key: (B, P + C,
 
 class RoutingReplayParams(PluginParams):
     mode: Literal["R3", "R2", "measure"] = Field(
-        "R3", description="R3: record the routing at rollout (transformers generation) and replay it in the old-policy, "
-                          "reference and update forwards. R2: record the old-policy forward's routing and replay it in "
-                          "the update forwards of the same batch. measure: record the rollout routing and only "
-                          "measure the mismatch (no forward changed; the baseline to compare against).")
+        "R3", description="R3: record the routing at rollout (transformers generation) and replay it in the "
+                          "old-policy, reference and update forwards. R2: record the old-policy forward's routing "
+                          "and replay it in the update forwards of the same batch. measure: record the rollout "
+                          "routing and only measure the mismatch (no forward changed; the baseline to compare "
+                          "against).")
 
 
 def _stage_model_config(ref: str):
@@ -55,8 +56,9 @@ class RoutingReplay(Plugin):
     the recorded one, the gate weights are the family's own formula on the *training* router logits at those experts
     (R3's ``g_i = I_i exp(s_i) / sum_j I_j exp(s_j)`` where the family renormalises), so the router keeps its
     gradient and an unselected expert gets none from that token. **R2** (``mode: R2``) records the old-policy forward's
-    routing and replays it in the update forwards of the same batch (needs TRL's old-policy forward, i.e. ``num_iterations > 1``
-    or generation not aligned with optimizer steps; refused otherwise when the trainer is built). ``mode: measure`` records and measures only.
+    routing and replays it in the update forwards of the same batch (needs TRL's old-policy forward, i.e.
+    ``num_iterations > 1`` or generation not aligned with optimizer steps; refused otherwise when the trainer is
+    built). ``mode: measure`` records and measures only.
 
     Conventions chosen:
 
