@@ -11,7 +11,8 @@ given vocabulary, the same prompts, the same seed and ``max_completion_length`` 
 * ``gkd_mix``: the same with ``lmbda: 0.5`` (on/off-policy mix; off-policy batches read dataset completions);
 * ``opd``: trl-ext's GRPO trainer with ``opd_reward`` (``num_generations`` 2, same number of completions per step).
 
-Peak memory is CUDA peak allocated on a GPU, else the process's peak RSS growth during ``train()`` (sampled).
+Peak memory is CUDA peak allocated on a GPU, else the process's peak RSS growth during ``train()`` (sampled); with
+``--repeats R`` each variant runs in R fresh processes and the median is reported (RSS growth varies between runs).
 The ``opd`` row also reports the teacher's scoring time per sampled student token (one forward with TRL's fused
 head, only the sampled tokens projected). Ratios are against the ``trl`` row of the same vocabulary.
 """
@@ -134,6 +135,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant; the median peak is kept")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="variants to run (trl always runs: it is the denominator)")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process mode
@@ -148,8 +150,9 @@ def main() -> None:
         for variant in ["trl"] + [v for v in args.variants if v != "trl"]:
             cmd = [sys.executable, __file__, "--variant", variant, "--vocab", str(vocab), "--steps", str(args.steps),
                    "--batch", str(args.batch), "--tokens", str(args.tokens)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            rows[variant] = json.loads(out)
+            runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+                               .splitlines()[-1]) for _ in range(args.repeats)]
+            rows[variant] = sorted(runs, key=lambda r: r["peak_mb"])[len(runs) // 2]  # median (upper for even)
         for variant, row in rows.items():
             ratio = row["peak_mb"] / rows["trl"]["peak_mb"]
             teacher = f"{row['teacher_us_per_token']:.1f}" if "teacher_us_per_token" in row else "-"
