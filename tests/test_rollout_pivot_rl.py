@@ -80,6 +80,12 @@ def test_pivot_split_from_hand_built_and_sampled_profiles(tiny_model_dir, trl_ex
         turns = expert_turn_rows(data["messages"])
         assert pivots["prompt"] == [turns[i]["prompt"] for i in (1, 4, 5)]
         assert pivots["profile_mean"] == [0.25, 0.5, 0.5] and pivots["expert_action"][0] == turns[1]["expert_action"]
+        # 3 pivots cannot fill a generation batch of 32 / 8 = 4 prompts (TRL would silently train zero steps)
+        big_batch = StageSpec(trainer="grpo", model=tiny_model_dir, dataset={"source": "embedded:calc_tool"},
+                              args={"per_device_train_batch_size": 32, "num_generations": 8})
+        with pytest.raises(ValueError, match="only 3 pivot turns among 6, fewer than the 4 prompts"):
+            PivotRL(PivotRL.Params(k=4, max_new_tokens=6, max_success=0.6)).trl_ext_prepare_dataset(
+                dataset=data, split="train", stage=big_batch)
     finally:
         _CURRENT_RUN.reset(token)
 

@@ -105,6 +105,15 @@ class PivotRL(Plugin):
         if not rows:
             raise ValueError(f"plugin {self.name!r}: no pivot among {len(turns)} assistant turns (none has mixed "
                              f"outcomes with success below {self.params.max_success})")
+        from accelerate import PartialState
+
+        from trl_ext_plugins.rollout.multi_env import generation_batch_prompts
+
+        needed = generation_batch_prompts(stage.args, PartialState().num_processes)
+        if len(rows) < needed:  # TRL would silently train zero steps on a split smaller than one generation batch
+            raise ValueError(f"plugin {self.name!r}: only {len(rows)} pivot turns among {len(turns)}, fewer than the "
+                             f"{needed} prompts of one generation batch; use more trajectories, a stronger starting "
+                             f"model, a larger k or max_success, or a smaller batch")
         return Dataset.from_list(rows)
 
     def profile(self, turns: list[dict], model_ref: str) -> list[list[float]]:
