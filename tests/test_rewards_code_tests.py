@@ -142,3 +142,17 @@ def test_imperfect_demonstrations_change_completions_never_tests():
     assert 0.5 < share < 0.75  # about 60% (plus the rows whose b is 1)
     with pytest.raises(ValueError, match="buggy_fraction"):
         code_tasks_dataset(buggy_fraction=1.5)
+
+
+def test_prepare_dataset_refuses_bad_rows_from_any_source():
+    from datasets import Dataset
+
+    from trl_ext.errors import RecipeError
+    from trl_ext.recipe import StageSpec
+
+    rows = Dataset.from_list([{"prompt": "p", "tests": "assert f(1) == 2"}, {"prompt": "q", "tests": "assert f(1) < 2"}])
+    stage = StageSpec(trainer="grpo", model="m", dataset={"source": "some-org/hub-code"})
+    with pytest.raises(RecipeError, match="'some-org/hub-code' row 1: tests: 'assert f.1. < 2' is neither"):
+        UnitTests(UnitTestsParams()).trl_ext_prepare_dataset(dataset=rows, split="train", stage=stage)
+    assert UnitTests(UnitTestsParams()).trl_ext_prepare_dataset(dataset=rows.select([0]), split="train",
+                                                                stage=stage) is None

@@ -161,7 +161,8 @@ class UnitTests(Plugin):
         if self.params.tests_column in dataset.column_names:
             problems = row_problems(dataset[self.params.tests_column])
             if problems:
-                raise RecipeError([f"unit_tests: {split} dataset {stage.dataset.source!r} {m}" for m in problems])
+                spec = stage.eval_dataset if split == "eval" and stage.eval_dataset is not None else stage.dataset
+                raise RecipeError([f"unit_tests: {split} dataset {spec.source!r} {m}" for m in problems])
         return None
 
     @hookimpl
