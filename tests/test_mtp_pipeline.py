@@ -52,7 +52,8 @@ def test_mtp_healing_recipe_end_to_end(tmp_path):
     for summary in (mtp_sft, heal):
         assert all(0.0 <= summary[k] <= 1.0 for k in summary if k.startswith("mtp_acceptance_") and k[-1] != "t")
         assert Path(summary["mtp_acceptance_plot"]).stat().st_size > 0
-    samples = [json.loads(line) for line in (run / "heal" / "mtp_samples.jsonl").read_text().splitlines()]
+    header, *samples = [json.loads(line) for line in (run / "heal" / "mtp_samples.jsonl").read_text().splitlines()]
+    assert set(header) == {"key"}  # model, prompts and sampling settings the samples were drawn with
     assert len(samples) == 8 * 2 and all(row["completion_ids"] for row in samples)
 
     # The mtp stage leaves the RL trunk bit-identical and adds heads transformers loads.

@@ -45,7 +45,8 @@ def summarize(records: list[tuple[int, int]], prompts: int) -> Acceptance:
     drafted = sum(d for d, _ in steps)
     accepted = sum(a for _, a in steps)
     n = len(steps)
-    return Acceptance(acceptance_length=accepted / n if n else 0.0, acceptance_rate=accepted / drafted if drafted else 0.0,
+    return Acceptance(acceptance_length=accepted / n if n else 0.0,
+                      acceptance_rate=accepted / drafted if drafted else 0.0,
                       tokens_per_step=(accepted / n + 1.0) if n else 0.0, steps=n, drafted=drafted, accepted=accepted,
                       prompts=prompts)
 

@@ -60,7 +60,8 @@ class MtpHeads(Plugin):
 
     * the data: ``samples_per_prompt`` completions per training prompt sampled from the stage's policy at
       ``temperature`` (1.0 by default: the policy's own distribution), written to ``mtp_samples.jsonl`` in the stage
-      folder and reused on a rerun; or ``completions: dataset`` to train on the dataset's cached completions;
+      folder (headed by a key of model, prompts and sampling settings) and reused by a rerun with the same key; or
+      ``completions: dataset`` to train on the dataset's cached completions;
     * ``heads_from``: start from another checkpoint's heads (a stage saves only its trunk, so the heads trained
       before RL are read from the stage that trained them);
     * acceptance length (mean accepted draft tokens per verification step) measured with transformers' own MTP
@@ -100,14 +101,18 @@ class MtpHeads(Plugin):
         if ctx is None:
             raise RuntimeError("mtp_heads samples completions inside a recipe run (trl-ext train)")
         cache = ctx.output_dir / stage.name / SAMPLES_FILE
+        prompts, seed = list(dataset["prompt"]), ctx.recipe.seed or 0
+        # A rerun reuses the samples only if they were drawn from the same model, prompts and sampling settings.
+        key = _sampling_key(stage.model, prompts, self.params, seed)
         with PartialState().main_process_first():
-            if not cache.exists():
-                rows = sample_completions(resolve_model_ref(stage.model, ctx), list(dataset["prompt"]), self.params,
-                                          seed=ctx.recipe.seed or 0)
+            rows = _read_jsonl(cache) if cache.exists() else []
+            if not rows or rows[0].get("key") != key:
+                rows = [{"key": key}] + sample_completions(resolve_model_ref(stage.model, ctx), prompts, self.params,
+                                                           seed=seed)
                 _write_jsonl(cache, rows)
         from datasets import Dataset
 
-        return Dataset.from_list(_read_jsonl(cache))
+        return Dataset.from_list(rows[1:])
 
     # -- before training ------------------------------------------------------------------------------------------
 
@@ -205,6 +210,14 @@ def sample_completions(model_dir: str, prompts: list, params: MtpHeadsParams, se
                              "prompt_ids": encoded[i // params.samples_per_prompt], "completion_ids": completion,
                              "completion": tokenizer.decode(completion)})
     return rows
+
+
+def _sampling_key(model: str, prompts: list, params: MtpHeadsParams, seed: int) -> str:
+    import hashlib
+
+    fields = params.model_dump(mode="json", include={"samples_per_prompt", "max_new_tokens", "temperature"})
+    blob = json.dumps([model, prompts, fields, seed], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
