@@ -264,3 +264,17 @@ def test_grpo_dual_clip_by_hand(ratio, value, slope):
     case = {"theta": [[math.log(ratio)]], "old": [[0.0]], "advantages": [[-1.0]]}
     assert_conforms(GRPO(GRPOParams(dual_clip=3.0)), lambda c, theta: (torch.tensor(value, dtype=D), torch.tensor([[slope]], dtype=D)),
                     [case])
+
+
+@pytest.mark.parametrize("normalization, expected_nll", [("mean", 6.0 / 3), ("sum", 6.0)])
+def test_dpo_nll_term_mean_or_sum_by_hand(normalization, expected_nll):
+    from trl_ext.batches import PreferenceInputs
+    from trl_ext_plugins.preference.dpo import DPO, DPOParams
+
+    # chosen log pi = -6 over 3 tokens, equal to the reference on both sides: DPO term ln 2; NLL 6/3 or 6; alpha 0.5
+    inputs = PreferenceInputs(chosen_logps=torch.tensor([-6.0], dtype=D), rejected_logps=torch.tensor([-4.0], dtype=D),
+                              chosen_lengths=torch.tensor([3.0], dtype=D), rejected_lengths=torch.tensor([2.0], dtype=D),
+                              ref_chosen_logps=torch.tensor([-6.0], dtype=D),
+                              ref_rejected_logps=torch.tensor([-4.0], dtype=D), beta=0.1)
+    loss = DPO(DPOParams(nll_weight=0.5, nll_normalization=normalization)).trl_ext_preference_loss(inputs=inputs)
+    assert loss.item() == pytest.approx(math.log(2) + 0.5 * expected_nll, rel=1e-12)

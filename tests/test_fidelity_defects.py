@@ -361,3 +361,28 @@ def test_sampled_support_is_refused_off_policy():
     assert plugin.trl_ext_validate_stage(stage=SimpleNamespace(args={}), plugins=[]) is None
     errors = plugin.trl_ext_validate_stage(stage=SimpleNamespace(args={"num_iterations": 2}), plugins=[])
     assert errors and "plugins.mis.support" in errors[0]
+
+
+# -- KL only in the reward: reference log-probs without a loss KL term -----------------------------------------------------
+
+
+def test_kl_only_in_reward_loads_the_reference_without_a_loss_term():
+    from trl_ext.trainers import TRAINER_KINDS
+    from trl_ext.plugin import Need
+
+    plugin = ReinforcePP(ReinforcePPParams(kl_in_loss=False))
+    args = plugin.trl_ext_configure_args(trainer="grpo", args={})
+    assert args == {"beta": 1.0}  # the reference is computed ...
+    assert Need.REFERENCE in TRAINER_KINDS["grpo"].capabilities(SimpleNamespace(teacher=None, teachers=None), args)
+    assert plugin.trl_ext_configure_args(trainer="grpo", args={"beta": 0.04}) is None  # recipe's own beta kept
+    assert ReinforcePP().trl_ext_configure_args(trainer="grpo", args={}) is None  # default unchanged
+    trainer = SimpleNamespace(kl_term=ops.KLTerm("k3", bias_correction=True))
+    plugin.trl_ext_trainer_created(trainer=trainer)
+    assert trainer.kl_term.weight(1.0) == 0.0 and not trainer.kl_term.is_trl()  # ... but adds no loss term
+    # through the pipeline: beta 1.0, reference far away, A = 0 -> the loss is exactly 0 (no KL), gradient 0
+    li = loss_inputs([-1.0], ref=[-9.0], advantages=[[0.0]], beta=1.0, loss_type="grpo")
+    loss, grad, _ = run([REINFORCE()], li, loss_type="grpo", kl=trainer.kl_term)
+    assert loss == 0.0 and grad.item() == 0.0
+    ppo = PPO(PPOParams(kl_in_loss=False))
+    assert ppo.trl_ext_configure_args(trainer="grpo", args={}) == {"beta": 1.0}
+    assert PPO(PPOParams(kl_in_loss=False, kl_coef=0.0)).trl_ext_configure_args(trainer="grpo", args={}) is None

@@ -146,15 +146,26 @@ class KLTerm:
     ``use_bias_correction_kl``, on by default in TRL 1.16; it makes the estimate unbiased for samples from pi_old);
     ``clamp``: optional symmetric clamp of the estimate (verl uses 10 for k3; ``None`` = TRL, no clamp)."""
 
-    __slots__ = ("estimator", "bias_correction", "clamp")
+    __slots__ = ("estimator", "bias_correction", "clamp", "coef")
 
-    def __init__(self, estimator: str = "k3", bias_correction: bool = True, clamp: float | None = None):
+    def __init__(self, estimator: str = "k3", bias_correction: bool = True, clamp: float | None = None,
+                 coef: float | None = None):
         if estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
-        self.estimator, self.bias_correction, self.clamp = estimator, bias_correction, clamp
+        self.estimator, self.bias_correction, self.clamp, self.coef = estimator, bias_correction, clamp, coef
 
     def __repr__(self) -> str:
-        return f"KLTerm({self.estimator!r}, bias_correction={self.bias_correction}, clamp={self.clamp})"
+        return (f"KLTerm({self.estimator!r}, bias_correction={self.bias_correction}, clamp={self.clamp}, "
+                f"coef={self.coef})")
+
+    def weight(self, beta: float) -> float:
+        """The loss coefficient: ``coef`` when set (0 = no loss term, e.g. a KL folded into the reward only, with
+        ``args.beta`` non-zero just so TRL computes reference log-probs), else ``args.beta``."""
+        return beta if self.coef is None else self.coef
+
+    def is_trl(self) -> bool:
+        """True when the term is exactly TRL's (k3, ``args.beta``, no clamp; bias correction is TRL's own field)."""
+        return self.estimator == "k3" and self.clamp is None and self.coef is None
 
     def per_token(self, per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
                   ratio: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from trl_ext_plugins.advantages.math import (
     masked_whiten,
     token_rewards,
 )
-from trl_ext_plugins.advantages.rollout import local, rank_reduce, sampling_policy_logps
+from trl_ext_plugins.advantages.rollout import drop_loss_kl, local, rank_reduce, reference_only_beta, sampling_policy_logps
 
 
 class PPOParams(PluginParams):
@@ -45,6 +45,9 @@ class PPOParams(PluginParams):
     kl_coef: float = Field(0.01, ge=0.0, description="beta of the k1 KL to the reference folded into the token rewards "
                            "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01; needs args.beta != 0).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL_t estimator on log pi_old - log pi_ref.")
+    kl_in_loss: bool = Field(True, description="true (default, as before): TRL's args.beta k3 KL term stays in the "
+                             "loss too; false: the KL is only in the reward: no loss term, and args.beta (set to 1.0 by "
+                             "this plugin when the recipe leaves it 0) only makes TRL compute the reference log-probs.")
     whiten_advantages: bool = Field(True, description="Whiten the advantages over the valid tokens of the global "
                                     "batch (verl/OpenRLHF GAE default).")
 
@@ -72,8 +75,10 @@ class PPO(Plugin):
     Defaults: gamma 1, lam 0.95, value_clip 0.5 (OpenRLHF/verl), kl_coef 0.01 k1 (OpenRLHF), critic lr 1e-5 (verl),
     one critic step per rollout, critic = value head on a copy of the policy trunk (head ~ N(0, 1/(H+1)), seeded).
     Conventions: the value of token ``t`` is read at the position predicting it; unscorable rows count as reward 0;
-    the reference log-probs exist only when ``args.beta != 0`` (which also adds TRL's k3 KL *loss* term: keep it
-    small, e.g. 1e-3, to have the KL essentially in the reward only); set ``kl_coef: 0`` to run without a reference.
+    the reference log-probs exist only when ``args.beta != 0``, which by default also adds TRL's k3 KL *loss* term;
+    ``kl_in_loss: false`` keeps the KL in the reward only (InstructGPT's form: no loss term, and the plugin sets
+    ``args.beta: 1.0`` itself when the recipe leaves it 0, only so TRL computes the reference); set ``kl_coef: 0`` to
+    run without a reference.
     The critic and its optimizer are saved as ``critic.pt`` in each checkpoint folder and restored on resume; the
     final critic is saved to ``<stage output>/critic.pt``. Logged: ``ppo/value_loss``, ``ppo/explained_variance``
     (critic before this rollout's update vs the targets), ``ppo/returns_mean``, ``ppo/advantages_mean``,
@@ -98,8 +103,16 @@ class PPO(Plugin):
     # -- construction and checkpoints -------------------------------------------------------------------------------
 
     @hookimpl
+    def trl_ext_configure_args(self, trainer, args):
+        if self.params.kl_in_loss or self.params.kl_coef <= 0:
+            return None
+        return reference_only_beta(args)
+
+    @hookimpl
     def trl_ext_trainer_created(self, trainer):
         self.trainer = trainer
+        if not self.params.kl_in_loss:
+            drop_loss_kl(trainer)
         seed = trainer.args.seed
         if self.params.critic == "path":
             critic = critic_from_path(self.params.critic_path, seed)

@@ -15,7 +15,7 @@ from trl_ext_plugins.advantages.math import (
     masked_whiten,
     token_rewards,
 )
-from trl_ext_plugins.advantages.rollout import local, rank_reduce, sampling_policy_logps
+from trl_ext_plugins.advantages.rollout import drop_loss_kl, local, rank_reduce, reference_only_beta, sampling_policy_logps
 
 
 class ReinforcePPParams(PluginParams):
@@ -24,6 +24,9 @@ class ReinforcePPParams(PluginParams):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL_t estimator with d = log pi_old - log "
                                                      "pi_ref: k1 = d (paper), k2 = d^2/2, k3 = e^-d - 1 + d.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of the token returns G_t (paper: 1).")
+    kl_in_loss: bool = Field(True, description="true (default, as before): TRL's args.beta k3 KL term stays in the "
+                             "loss too; false: the KL is only in the reward: no loss term, and args.beta (set to 1.0 by "
+                             "this plugin when the recipe leaves it 0) only makes TRL compute the reference log-probs.")
 
 
 class ReinforcePP(Plugin):
@@ -35,9 +38,9 @@ class ReinforcePP(Plugin):
     ``sqrt(var + 1e-8)``; verl's masked_whiten). Returns ``(B, T)`` advantages for a PPO-clip objective.
 
     Defaults (OpenRLHF): ``kl_coef`` 0.01, k1, gamma 1. Needs the reference log-probs, which the GRPO trainer computes
-    only when ``args.beta != 0``; that also adds TRL's ``beta * k3`` KL term to the loss, so to keep the KL (almost)
-    only in the reward set ``args.beta`` small (the trainer has no switch for reference log-probs without a loss
-    term). ``log pi_old`` is TRL's recorded old policy, or one no-grad forward pass of the unchanged policy when TRL
+    only when ``args.beta != 0``; by default that also adds TRL's ``beta * k3`` KL term to the loss (as before).
+    ``kl_in_loss: false`` keeps the KL only in the reward (the paper's form): the loss gets no KL term and the plugin
+    sets ``args.beta: 1.0`` itself when the recipe leaves it 0, only so TRL computes the reference. ``log pi_old`` is TRL's recorded old policy, or one no-grad forward pass of the unchanged policy when TRL
     did not record it. Unscorable rows count as reward 0 with KL only.
     """
 
@@ -47,6 +50,15 @@ class ReinforcePP(Plugin):
     slots = frozenset({Slot.ADVANTAGE})
     needs = frozenset({Need.REFERENCE})
     Params = ReinforcePPParams
+
+    @hookimpl
+    def trl_ext_configure_args(self, trainer, args):
+        return None if self.params.kl_in_loss else reference_only_beta(args)
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        if not self.params.kl_in_loss:
+            drop_loss_kl(trainer)
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):

@@ -39,3 +39,18 @@ def sampling_policy_logps(batch: RolloutBatch) -> torch.Tensor:
             trainer.model, input_ids, attention_mask, batch.completion_ids.size(1)
         )
     return logps
+
+
+def reference_only_beta(args: dict) -> dict | None:
+    """TRL computes reference log-probs only when ``args.beta != 0``; a plugin that folds the KL into the reward and
+    keeps it out of the loss sets ``beta: 1.0`` when the recipe leaves it 0 (the trainer's loss KL coefficient is then
+    0, see :meth:`trl_ext.ops.KLTerm.weight`), so no recipe needs a loss KL to get the reference."""
+    return {"beta": 1.0} if not args.get("beta") else None
+
+
+def drop_loss_kl(trainer) -> None:
+    """Keep the KL out of the loss (the reference log-probs are still computed because ``args.beta != 0``)."""
+    from trl_ext import ops
+
+    trainer.kl_term = ops.KLTerm(trainer.kl_term.estimator, trainer.kl_term.bias_correction, trainer.kl_term.clamp,
+                                 coef=0.0)

@@ -60,7 +60,7 @@ class VAPO(PPO):
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
-        out = {}
+        out = dict(super().trl_ext_configure_args(trainer, args) or {})
         if self.params.clip_higher:
             out["epsilon_high"] = self.params.epsilon_high
         if self.params.token_level_loss:

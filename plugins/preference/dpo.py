@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl, ops
@@ -14,6 +16,10 @@ class DPOParams(PluginParams):
         description="weight alpha of a length-normalised NLL term on the chosen response (Iterative RPO, arXiv "
                     "2404.19733); 0 is plain DPO",
     )
+    nll_normalization: Literal["mean", "sum"] = Field(
+        "mean", description="NLL of the chosen response per token (mean: -log pi(y_w)/|y_w|, Iterative RPO's "
+                            "length-normalised form) or summed over its tokens (sum: -log pi(y_w), TRL's 'sft' term in "
+                            "loss_type=['sigmoid', 'sft'])")
 
 
 class DPO(PreferenceLoss):
@@ -27,8 +33,9 @@ class DPO(PreferenceLoss):
     ``nll_weight`` (default 0) adds ``alpha * (-log pi(y_w)/|y_w|)``, the per-token NLL of the chosen response, as in
     Iterative Reasoning Preference Optimization (Pang et al. 2024, arXiv 2404.19733). On self-generated pairs that
     share most tokens, plain DPO can lower the chosen response's likelihood along with the rejected one's
-    ("likelihood displacement"); the NLL term keeps the chosen answer likely. Not TRL's ``["sigmoid", "sft"]`` mix,
-    which weights a summed NLL by ``loss_weights``.
+    ("likelihood displacement"); the NLL term keeps the chosen answer likely. ``nll_normalization: sum`` uses the
+    summed NLL ``-log pi(y_w)`` instead, the convention of TRL's ``["sigmoid", "sft"]`` mix (which weights it by
+    ``loss_weights``); the default ``mean`` is the paper's per-token form.
     """
 
     name = "dpo"
@@ -40,5 +47,6 @@ class DPO(PreferenceLoss):
         rejected = inputs.rejected_logps - inputs.ref_rejected_logps
         loss = ops.dpo_sigmoid_loss(chosen, rejected, inputs.beta)
         if self.params.nll_weight:
-            loss = loss + self.params.nll_weight * (-inputs.chosen_mean_logps)
+            nll = -inputs.chosen_logps if self.params.nll_normalization == "sum" else -inputs.chosen_mean_logps
+            loss = loss + self.params.nll_weight * nll
         return loss

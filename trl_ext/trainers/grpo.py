@@ -101,7 +101,8 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
     """trl-ext's GRPO-family loss pipeline on one micro-batch, after the forward pass.
 
     Order: sanitise -> objective (``trl_ext_policy_loss`` or TRL's ``loss_type`` objective) -> token weights and masks
-    (``trl_ext_token_weights``: weights multiply, masks AND) -> TRL's vLLM ratio if given -> ``+ beta * KL`` (``kl``)
+    (``trl_ext_token_weights``: weights multiply, masks AND) -> TRL's vLLM ratio if given -> ``+ coef * KL`` (``kl``;
+    coef = ``kl.coef``, else ``args.beta``)
     -> aggregation (``trl_ext_aggregate_loss`` or TRL's for ``loss_type``) -> ``+`` extra terms.
 
     Conventions:
@@ -141,9 +142,9 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
     if importance_sampling_ratio is not None:  # TRL's vLLM correction, kept when a plugin changes the loss
         per_token_loss = per_token_loss * importance_sampling_ratio
     per_token_kl = None
-    if li.beta != 0.0:
+    if kl.weight(li.beta) != 0.0:
         per_token_kl = kl.per_token(li.per_token_logps, li.ref_per_token_logps, trl_ratio(li, importance_sampling_level))
-        per_token_loss = per_token_loss + li.beta * per_token_kl
+        per_token_loss = per_token_loss + kl.weight(li.beta) * per_token_kl
     if masked:
         li.num_items_in_batch = mask_aware_token_count(li.num_items_in_batch, loss_mask, mask, reduce)
 
@@ -295,7 +296,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         with self._forward_contexts("train", model, inputs):
-            if not any(self.plugin_host.implements(h) for h in LOSS_HOOKS):
+            if self.kl_term.is_trl() and not any(self.plugin_host.implements(h) for h in LOSS_HOOKS):
                 return super()._compute_loss(model, inputs)
             return self._plugin_loss(model, inputs)
 
