@@ -91,7 +91,7 @@ class RoutingReplay(Plugin):
     """
 
     name = "routing_replay"
-    aliases = ("r3", "r2")
+    aliases = ("r3",)  # R2 is `routing_replay: {mode: R2}`: an alias cannot carry the mode
     family = "moe"
     trainers = frozenset({"grpo"})
     Params = RoutingReplayParams
