@@ -63,7 +63,14 @@ def _driver(workdir: str, trainer: str) -> None:
 
     work = Path(workdir)
     recipe = work / f"{trainer}.yaml"
-    recipe.write_text(json.dumps({"seed": 0, **RECIPES[trainer]}))
+    spec = dict(RECIPES[trainer])
+    if trainer == "grpo":
+        # The untrained tiny model never answers right, so exact_match would give zero advantages and zero gradients
+        # (weights trivially equal); a reward that differs between samples makes every step move the weights.
+        (work / "varied.py").write_text("def reward(completions, **kwargs):\n"
+                                        "    return [float(sum(map(ord, str(c))) % 7) for c in completions]\n")
+        spec["plugins"] = ["grpo", {"python_reward": {"functions": [f"{work / 'varied.py'}:reward"]}}]
+    recipe.write_text(json.dumps({"seed": 0, **spec}))
 
     def run(out: Path, crash_at: str | None) -> int:
         pid = os.fork()
@@ -122,6 +129,7 @@ def test_killed_at_every_write_point_resumes_to_the_uninterrupted_result(tmp_pat
     ref_weights = _weights(reference)
     ref_rows, ref_summaries = _step_rows(reference)
     assert [r["step"] for r in ref_rows] == [1, 2, 3, 4] and ref_summaries == 1
+    assert sum(r["grad_norm"] > 0 for r in ref_rows) >= 2, "the comparison needs steps that change the weights"
     for point, (crashed, resumed) in results["crashes"].items():
         assert crashed == 137, f"{point}: the run was not killed at the point (exit {crashed})"
         assert resumed == 0, f"{point}: the rerun failed (exit {resumed}): {proc.stderr[-3000:]}"
