@@ -53,7 +53,7 @@ class DeltaPairs(Plugin):
         strong, weak = gen.resolve_model(self.params.strong, self.name), gen.resolve_model(self.params.weak, self.name)
         settings = self.params.model_dump(exclude={"strong", "weak", "cache_dir", "splits"})
         key = gen.cache_key({"strong": gen.model_fingerprint(strong), "weak": gen.model_fingerprint(weak),
-                             "prompts": dataset["prompt"], "settings": settings})
+                             "prompts": list(dataset["prompt"]), "settings": settings})
         pairs, hit = gen.cached_dataset(gen.cache_root(self.params.cache_dir, self.name), key,
                                         lambda: self._generate(dataset, strong, weak))
         gen.logger.info("delta_pairs: %s split: %d pairs (%s)", split, len(pairs),
