@@ -359,8 +359,27 @@ def test_output_flood_is_cut_at_the_cap():
     assert reward(flood, STDIO_TESTS) == (0.0, ["over_cap"] * 3)
 
 
-def test_infinite_loop_times_out():
-    assert reward("def f(x):\n    while True:\n        pass\n", ONE_TEST) == (0.0, ["timeout"])
+SPIN = "def f(x):\n    while True:\n        pass\n"
+# Ignoring SIGXCPU leaves only the hard CPU limit (soft + 1 s), which the kernel enforces with SIGKILL.
+SPIN_IGNORING_SIGXCPU = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" + SPIN
+
+
+@pytest.mark.parametrize("limits", [
+    {},  # as the other tests run: whichever limit the machine's load makes come first
+    {"test_wall_seconds": 1.0, "test_cpu_seconds": 30},  # the wall clock ends it
+    {"test_wall_seconds": 30, "test_cpu_seconds": 1},  # the CPU-time limit ends it (SIGXCPU)
+], ids=["default", "wall-first", "cpu-first"])
+def test_infinite_loop_times_out_whichever_limit_ends_it(limits):
+    assert reward(SPIN, ONE_TEST, **limits) == (0.0, ["timeout"])
+
+
+def test_loop_that_ignores_sigxcpu_times_out_at_the_hard_cpu_limit():
+    assert reward(SPIN_IGNORING_SIGXCPU, ONE_TEST, test_wall_seconds=30, test_cpu_seconds=1) == (0.0, ["timeout"])
+
+
+def test_crash_by_signal_is_an_error_not_a_timeout():
+    crash = "import os, signal\ndef f(x):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    assert reward(crash, ONE_TEST) == (0.0, ["error"])
 
 
 # ---- 10-11. persistence and neighbours ------------------------------------------------------------------------------

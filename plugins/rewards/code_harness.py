@@ -158,7 +158,7 @@ def run_test(code, request, setup):
     os.set_blocking(out_r, False)
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
     deadline = time.monotonic() + float(setup["wall_seconds"])
-    chunks, size, status, exit_status = [], 0, None, None
+    chunks, size, status, exit_status, cpu_used = [], 0, None, None, 0.0
     while status is None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -184,7 +184,7 @@ def run_test(code, request, setup):
                 if size > cap:
                     status = "over_cap"
                     break
-        exited, exit_status = reap_child(pid)
+        exited, exit_status, cpu_used = reap_child(pid)
         if exited:  # drain what the child wrote before it ended, then stop
             while True:
                 data = read_some(out_r)
@@ -202,7 +202,9 @@ def run_test(code, request, setup):
         os.close(pidfd)
     kill_everything_else(pid, setup)
     if exit_status is None:
-        exit_status = wait_child(pid)
+        exit_status, cpu_used = wait_child(pid)
+    if status == "exited" and ran_out_of_cpu(exit_status, cpu_used, setup):
+        status = "timeout"
     output = b"".join(chunks)[:cap].decode("utf-8", errors="replace")
     code_, sig = (os.WEXITSTATUS(exit_status), None) if os.WIFEXITED(exit_status) else (None, os.WTERMSIG(exit_status))
     return {"status": status, "exit": code_ if status == "exited" else None,
@@ -217,18 +219,31 @@ def read_some(fd):
 
 
 def reap_child(pid):
+    """(exited, wait status, CPU seconds the child used) without blocking."""
     try:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
     except ChildProcessError:
-        return True, 0
-    return (done == pid), (status if done == pid else None)
+        return True, 0, 0.0
+    if done != pid:
+        return False, None, 0.0
+    return True, status, usage.ru_utime + usage.ru_stime
 
 
 def wait_child(pid):
     try:
-        return os.waitpid(pid, 0)[1]
+        _, status, usage = os.wait4(pid, 0)
     except ChildProcessError:
-        return 0
+        return 0, 0.0
+    return status, usage.ru_utime + usage.ru_stime
+
+
+def ran_out_of_cpu(exit_status, cpu_used, setup):
+    """A test the CPU-time limit ended is a timeout, like one the wall clock ended (which comes first depends only on
+    how loaded the machine is): killed by SIGXCPU at the soft limit, or by SIGKILL at the hard one."""
+    if not os.WIFSIGNALED(exit_status):
+        return False
+    sig = os.WTERMSIG(exit_status)
+    return sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used >= float(setup["cpu_seconds"]))
 
 
 def kill_everything_else(pid, setup):

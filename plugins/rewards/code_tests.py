@@ -240,7 +240,7 @@ def verdict(test: Test, reply: dict | None, stdout_match: StdoutMatch = "lines")
     if status in ("timeout", "over_cap", "error"):
         return status
     exit_code, output = reply.get("exit"), reply.get("output", "")
-    if exit_code is None:  # killed by a signal (memory, CPU limit, its own kill)
+    if exit_code is None:  # killed by a signal (memory, its own kill); the harness reports the CPU limit as timeout
         return "error"
     if isinstance(test, StdioTest):
         if exit_code != 0:
