@@ -78,7 +78,7 @@ def test_set_overrides_by_stage_name_and_index():
     [
         ({"plugins": ["sfft"]}, ["stages[0].plugins[0]: unknown plugin 'sfft'", "Did you mean: sft", "Available:"]),
         ({"plugins": [{"sft": {"normalization": "words"}}]}, ["stages[0].plugins[0].params.normalization", "'sft'"]),
-        ({"plugins": [{"sft": {"bogus": 1}}]}, ["stages[0].plugins[0].params.bogus", "Extra inputs"]),
+        ({"plugins": [{"sft": {"bogus": 1}}]}, ["stages[0].plugins[0].params.bogus: not a parameter of this plugin"]),
         ({"model": None}, ["stages[0].model"]),
         ({"args": {"learnin_rate": 1e-3}}, ["stages[0].args.learnin_rate: not a field of SFTConfig", "learning_rate"]),
         ({"args": {"output_dir": "x"}}, ["stages[0].args.output_dir: managed by trl-ext"]),

@@ -275,6 +275,75 @@ def test_local_dataset_with_the_right_columns_validates(tmp_path, capsys):
     assert code == 0, err
 
 
+@pytest.mark.parametrize(
+    "patch, fragments",
+    [
+        ({"dataset": {"source": "embedded:arithmetic", "params": {"formatt": "prompt"}}},
+         ["stages[0].dataset.params.formatt: not a parameter of this embedded dataset. Did you mean: format?"]),
+        ({"trainer": "grpo", "plugins": ["grpo", {"exact_match": {"wieght": 2}}]},
+         ["stages[0].plugins[1].params.wieght: not a parameter of this plugin. Did you mean: weight?",
+          "(plugin 'exact_match')"]),
+        ({"args": {"max_steps": 1, "report_to": "tensorbord"}},
+         ["stages[0].args.report_to: unknown tracking backend 'tensorbord'. Did you mean: tensorboard?"]),
+        ({"args": {"max_steps": 1, "report_to": ["none", "clearml"]}},
+         ["stages[0].args.report_to: tracking backend 'clearml' is not installed here: pip install clearml"]),
+    ],
+)
+def test_misspellings_and_missing_backends_get_a_hint(tmp_path, capsys, patch, fragments):
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, **patch}))
+    assert_refused(code, err, *fragments)
+
+
+def test_report_to_installed_backend_or_none_validates(tmp_path, capsys):
+    from transformers.integrations.integration_utils import get_available_reporting_integrations
+
+    for value in ["none", "all", ["none"], *get_available_reporting_integrations()]:
+        code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "args": {"max_steps": 1, "report_to": value}}))
+        assert code == 0, (value, err)
+
+
+def test_split_and_params_on_a_local_file_are_refused_not_ignored(tmp_path, capsys):
+    rows = [{"prompt": "1+1=", "completion": "2"}]
+    data = {**BASE, "dataset": {"source": _local_dataset(tmp_path, rows), "split": "validation", "params": {"x": 1}}}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "stages[0].dataset.split: ", "is a single split (named 'train'); 'validation' would be "
+                   "ignored", "stages[0].dataset.params: a local dataset takes no params (got x)")
+    data["dataset"] = {"source": data["dataset"]["source"], "split": "train"}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert code == 0, err
+
+
+def test_split_of_a_saved_dataset_dict_is_used(tmp_path, capsys):
+    import datasets
+
+    from trl_ext.catalog import Catalog
+    from trl_ext.recipe import StageSpec
+    from trl_ext.runner import load_split
+
+    folder = tmp_path / "saved"
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"prompt": "a", "completion": "1"}] * 3),
+        "test": datasets.Dataset.from_list([{"prompt": "b", "completion": "2"}]),
+    }).save_to_disk(str(folder))
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "dataset": {"source": str(folder), "split": "dev"}}))
+    assert_refused(code, err, "stages[0].dataset.split: 'dev' is not a split of the saved dataset", "splits: train, test")
+    stage = StageSpec(**{**BASE, "dataset": {"source": str(folder), "split": "test"}})
+    assert load_split(stage.dataset, Catalog.discover(), stage, "train", None)["prompt"] == ["b"]
+
+
+def test_evaluation_dataset_takes_the_string_shorthand(tmp_path, capsys):
+    from trl_ext.recipe import StageSpec
+
+    local = _local_dataset(tmp_path, [{"prompt": "1+1="}])
+    data = {**BASE, "evaluation": {"dataset": "embedded:arithmetic", "reward": "exact_match"}}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert code == 0, err
+    held_out = StageSpec(**data).evaluation.dataset
+    assert (held_out.source, held_out.split) == ("embedded:arithmetic", "test")  # held out, never the training split
+    file_spec = StageSpec(**{**BASE, "evaluation": {"dataset": local, "reward": "exact_match"}}).evaluation.dataset
+    assert (file_spec.source, file_spec.split) == (local, "train")  # a file is its one split
+
+
 def test_output_dir_that_is_a_file(tmp_path, capsys):
     (tmp_path / "out").write_text("not a folder")
     code, _, err = cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(tmp_path / "out"))

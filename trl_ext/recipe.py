@@ -74,13 +74,24 @@ class PeftSpec(BaseModel):
 
 
 class EvaluationSpec(_Strict):
-    """Held-out evaluation before and after a stage: greedy decodes scored by a reward plugin."""
+    """Held-out evaluation before and after a stage: greedy decodes scored by a reward plugin.
+
+    ``dataset`` takes the same string shorthand as a stage's ``dataset``; for an evaluation it means the ``test``
+    split of an embedded or hub dataset (a held-out evaluation on the training split would measure memorisation), and
+    the whole file for a local file."""
 
     dataset: DatasetSpec
     reward: str | PluginSelection
     max_new_tokens: int = Field(default=8, gt=0)
     batch_size: int = Field(default=64, gt=0)
     limit: int | None = Field(default=None, gt=0)
+
+    @field_validator("dataset", mode="before")
+    @classmethod
+    def _dataset_shorthand(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        return {"source": value} if Path(value).exists() else {"source": value, "split": "test"}
 
 
 class StageSpec(_Strict):
@@ -400,10 +411,14 @@ def _string_leaves(value: Any, path: str = "") -> list[tuple[str, str]]:
     return []
 
 
+def did_you_mean(name: str, known, cutoff: float = 0.6) -> str:
+    """`` Did you mean: a, b?`` for the close spellings of ``name`` among ``known`` (empty when none is close)."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=cutoff)
+    return f" Did you mean: {', '.join(close)}?" if close else ""
+
+
 def _unknown(where: str, kind: str, name: str, table: dict) -> str:
-    close = difflib.get_close_matches(name, list(table), n=3, cutoff=0.6)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    return f"{where}: unknown {kind} {name!r}.{hint} Available: {', '.join(sorted(table))}"
+    return f"{where}: unknown {kind} {name!r}.{did_you_mean(name, table)} Available: {', '.join(sorted(table))}"
 
 
 def check_args_fields(args: dict[str, Any], config_cls: type, where: str) -> list[str]:
@@ -431,7 +446,33 @@ def check_args_fields(args: dict[str, Any], config_cls: type, where: str) -> lis
             problem = arg_range_problem(key, args[key])
             if problem:
                 errors.append(f"{where}.args.{key}: {problem} (got {args[key]!r})")
+    if "report_to" in args:
+        errors += [f"{where}.args.report_to: {problem}" for problem in report_to_problems(args["report_to"])]
     return errors
+
+
+# The Python package each tracking backend of transformers needs, for the install hint.
+REPORT_TO_PACKAGES = {"azure_ml": "azureml-core", "comet_ml": "comet-ml", "flyte": "flytekit"}
+
+
+def report_to_problems(value: Any) -> list[str]:
+    """Tracking backends transformers does not know or cannot import here (it would fail when the trainer is built,
+    after the model loaded). ``all`` and ``none`` are transformers' own words and always accepted."""
+    from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
+                                                             get_available_reporting_integrations)
+
+    names = [value] if isinstance(value, str) else list(value or [])
+    problems = []
+    for name in names:
+        if name in ("all", "none"):
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            problems.append(f"unknown tracking backend {name!r}.{did_you_mean(str(name), INTEGRATION_TO_CALLBACK)} "
+                            f"Known: {', '.join(sorted(INTEGRATION_TO_CALLBACK))}")
+        elif name not in get_available_reporting_integrations():
+            problems.append(f"tracking backend {name!r} is not installed here: pip install "
+                            f"{REPORT_TO_PACKAGES.get(name, name)}")
+    return problems
 
 
 # Ranges of the TRL/transformers arguments whose bad values TRL accepts and only fails on (or silently misuses) while
@@ -523,7 +564,12 @@ def instantiate_plugins(stage: StageSpec, index: int, catalog) -> tuple[list, li
         except _VE as exc:
             for err in exc.errors():
                 loc = _format_loc(err["loc"])
-                errors.append(f"{where}.params{'.' + loc if loc != '<recipe>' else ''}: {err['msg']} (plugin {cls.name!r})")
+                message = err["msg"]
+                if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+                    fields = list(cls.Params.model_fields)
+                    message = (f"not a parameter of this plugin.{did_you_mean(str(err['loc'][0]), fields)} "
+                               f"({'accepted: ' + ', '.join(fields) if fields else 'it takes none'})")
+                errors.append(f"{where}.params{'.' + loc if loc != '<recipe>' else ''}: {message} (plugin {cls.name!r})")
             continue
         # Only what the recipe set: a plugin may default a bound to infinity on purpose.
         nonfinite = nonfinite_numbers(params.model_dump(exclude_unset=True))

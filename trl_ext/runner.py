@@ -447,6 +447,8 @@ def load_split(spec, catalog, stage: StageSpec, split_role: str, host):
     if source.startswith(EMBEDDED_PREFIX):
         build, _ = catalog.datasets[source[len(EMBEDDED_PREFIX):]]
         dataset = build(split=spec.split, **spec.params)
+    elif Path(source).is_dir() and (Path(source) / "dataset_dict.json").exists():
+        dataset = datasets.load_from_disk(source)[spec.split]  # validation checked the split exists
     elif Path(source).is_dir() and (Path(source) / "dataset_info.json").exists():
         dataset = datasets.load_from_disk(source)
     elif Path(source).is_file():

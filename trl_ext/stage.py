@@ -17,7 +17,8 @@ from typing import Any
 from trl_ext.errors import RecipeError
 from trl_ext.host import PluginHost
 from trl_ext.plugin import Need
-from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX, StageSpec, check_args_fields, instantiate_plugins
+from trl_ext.recipe import (EMBEDDED_PREFIX, STAGE_PREFIX, StageSpec, check_args_fields, did_you_mean,
+                            instantiate_plugins)
 from trl_ext.trainers import TRAINER_KINDS, TrainerKind
 
 NEED_HINTS = {
@@ -252,6 +253,10 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
         if spec.source.startswith((".", "/", "~")) and not path.exists():
             errors.append(f"{where}.{field_name}.source: no such file or folder {spec.source!r}")
             continue
+        local_problems = local_split_errors(path, spec, f"{where}.{field_name}")
+        if local_problems:
+            errors += local_problems
+            continue
         # Plugins that prepare the dataset may build the trainer's columns; the evaluation split only needs prompts.
         if field_name == "evaluation.dataset" or not kind.columns or host.implements("trl_ext_prepare_dataset"):
             continue
@@ -267,6 +272,26 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
     return errors
 
 
+def local_split_errors(path: Path, spec, where: str) -> list[str]:
+    """A local file is one split (``train`` in datasets' terms) and takes no builder ``params``; a saved DatasetDict
+    folder has the splits it lists. Anything else would be ignored by the loader, so it is refused."""
+    if path.is_dir() and (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if spec.split not in splits:
+            return [f"{where}.split: {spec.split!r} is not a split of the saved dataset {spec.source!r} "
+                    f"(splits: {', '.join(splits)})"]
+    elif path.is_file() or (path / "dataset_info.json").is_file():
+        errors = []
+        if spec.split != "train":
+            errors.append(f"{where}.split: {spec.source!r} is a single split (named 'train'); {spec.split!r} would "
+                          "be ignored: give each split its own file, or save a DatasetDict folder")
+        if spec.params:
+            errors.append(f"{where}.params: a local dataset takes no params (got {', '.join(spec.params)}); params "
+                          "go to embedded builders and hub datasets")
+        return errors
+    return []
+
+
 def _builder_param_errors(builder, params: dict[str, Any], where: str) -> list[str]:
     if builder is None or not params:
         return []
@@ -277,8 +302,8 @@ def _builder_param_errors(builder, params: dict[str, Any], where: str) -> list[s
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
         return []
     accepted = [name for name in signature.parameters if name != "split"]
-    return [f"{where}.{key}: not a parameter of this embedded dataset (accepted: {', '.join(accepted)})"
-            for key in params if key not in accepted]
+    return [f"{where}.{key}: not a parameter of this embedded dataset.{did_you_mean(key, accepted)} (accepted: "
+            f"{', '.join(accepted)})" for key in params if key not in accepted]
 
 
 def local_dataset_columns(path: Path) -> set[str] | None:
