@@ -15,7 +15,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
-from trl_ext_plugins.rollout.rollout_logprobs import sampled_token_logprobs
+from trl_ext_plugins.rollout.rollout_logprobs import recording_logprobs
 
 STALE_KEY = "partial_rollout_stale"  # RolloutBatch.loss_extras key: 1.0 on tokens of an older policy version
 BUFFER_FILE = "partial_rollout_rank{rank}.json"
@@ -217,7 +217,6 @@ class PartialRollout(Plugin):
             budgets = [max_len - len(states[i].ids) for i in active]
             stop = StopWhenEnoughFinished(input_ids.size(1), budgets, list(trainer.eos_token_ids), target)
             config = copy.deepcopy(trainer.generation_config)
-            config.output_scores, config.return_dict_in_generate = True, True
             config.max_new_tokens = max(budgets)
             with (
                 unwrap_model_for_generation(
@@ -228,10 +227,12 @@ class PartialRollout(Plugin):
                 ) as unwrapped,
                 torch.no_grad(),
             ):
-                out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                         stopping_criteria=StoppingCriteriaList([stop]))
-            new_ids = out.sequences[:, input_ids.size(1):].cpu()
-            new_logps = sampled_token_logprobs(out.scores, new_ids.to(out.scores[0].device)).cpu()
+                with recording_logprobs(unwrapped) as recorder:
+                    sequences = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                                   generation_config=config,
+                                                   stopping_criteria=StoppingCriteriaList([stop]))
+            new_logps = recorder.result(sequences[:, input_ids.size(1):]).cpu()
+            new_ids = sequences[:, input_ids.size(1):].cpu()
             self._last_steps = new_ids.size(1)
             version = trainer.state.global_step
             eos = set(trainer.eos_token_ids)

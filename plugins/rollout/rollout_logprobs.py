@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
 from pydantic import Field
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
 
@@ -27,18 +29,75 @@ def sampled_token_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tenso
                         for t, step in enumerate(scores)], dim=1)
 
 
+class SampledTokenLogprobs(LogitsProcessor):
+    """Records, while transformers generates, the log-prob of each sampled token under the processed scores it was
+    sampled from, keeping one step's scores at a time (``output_scores`` keeps every step's ``(B, V)`` scores until
+    generation ends: O(T x B x V)).
+
+    It must be the last processor (after temperature, top-k, top-p, min-p and any other): :func:`recording_logprobs`
+    appends it to the list transformers builds. A step's sampled token is the last input id of the next call, or the
+    last column of the finished sequences for the final step (:meth:`result`)."""
+
+    def __init__(self):
+        self._last_scores: torch.Tensor | None = None
+        self._steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids[:, -1])
+        self._last_scores = scores
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._last_scores is not None:
+            scores, self._last_scores = self._last_scores, None
+            self._steps.append(torch.log_softmax(scores.float(), dim=-1)
+                               .gather(-1, tokens[:, None].to(scores.device)).squeeze(-1))
+
+    def result(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` log-probs of ``completion_ids`` (the generated columns of the returned sequences)."""
+        if completion_ids.size(1):
+            self._take(completion_ids[:, -1])
+        if len(self._steps) != completion_ids.size(1):  # a transformers change bypassed the processor: say so, loudly
+            raise RuntimeError(f"recorded {len(self._steps)} sampling steps for {completion_ids.size(1)} generated "
+                               "tokens: transformers did not run the log-prob recorder as the last logits processor")
+        if not self._steps:
+            return torch.zeros(completion_ids.size(0), 0, device=completion_ids.device)
+        return torch.stack(self._steps, dim=1)
+
+
+@contextmanager
+def recording_logprobs(model):
+    """Within the block, ``model.generate`` records sampled-token log-probs into the yielded
+    :class:`SampledTokenLogprobs`. transformers merges processors passed to ``generate`` *before* its sampling
+    warpers, so the recorder is appended to the list transformers builds (``_get_logits_processor``, shadowed on the
+    instance that generates for this block only)."""
+    generating = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT delegates generate
+    recorder = SampledTokenLogprobs()
+    build = generating._get_logits_processor
+
+    def with_recorder(*args, **kwargs):
+        return LogitsProcessorList([*build(*args, **kwargs), recorder])
+
+    generating._get_logits_processor = with_recorder
+    try:
+        yield recorder
+    finally:
+        del generating._get_logits_processor
+
+
 class RolloutLogprobs(Plugin):
     """Sampling log-probs without vLLM (provides the ``sampling_logprobs`` need).
 
     Replaces TRL's transformers generation for one call (``_generate_single_turn``, text-only path) by the same
-    ``model.generate(..., generation_config=trainer.generation_config)`` with ``output_scores=True``: the scores are
-    the processed logits each token was sampled from (temperature, top-k, top-p, min-p applied by transformers), so the
+    ``model.generate(..., generation_config=trainer.generation_config)`` with a last logits processor that sees the
+    processed logits each token was sampled from (temperature, top-k, top-p, min-p applied by transformers), so the
     recorded log-prob is ``log softmax(processed logits)[sampled token]`` of the very step that sampled it, like vLLM's
-    ``processed_logprobs``. TRL then puts them in the batch as ``sampling_per_token_logps`` for the corrections
-    (tis, mis, icepop, rollout_ratio, m2po). Cost: transformers keeps the per-step scores, O(T x B x V) floats on the
-    generation device for the call. With ``dtype`` set, generation runs on a copy of the policy in that precision,
-    re-synced from the policy whenever the optimizer step changes (as TRL syncs vLLM weights). Refused with vLLM (which
-    records them itself), continuous batching, tools or a multimodal processor.
+    ``processed_logprobs`` (the same numbers as ``output_scores``, tested bit for bit). TRL then puts them in the
+    batch as ``sampling_per_token_logps`` for the corrections (tis, mis, icepop, rollout_ratio, m2po). Cost: one
+    step's ``(B, V)`` scores at a time, not transformers' ``output_scores`` tuple of every step
+    (``benchmarks/rollout_logprobs_memory.py``). With ``dtype`` set, generation runs on a copy of the policy in that
+    precision, re-synced from the policy whenever the optimizer step changes (as TRL syncs vLLM weights). Refused with
+    vLLM (which records them itself), continuous batching, tools or a multimodal processor.
     """
 
     name = "rollout_logprobs"
@@ -114,11 +173,11 @@ class RolloutLogprobs(Plugin):
             torch.no_grad(),
         ):
             model = self._generation_model(trainer, unwrapped)
-            config = copy.deepcopy(trainer.generation_config)
-            config.output_scores, config.return_dict_in_generate = True, True
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        completion_ids = out.sequences[:, input_ids.size(1):]
-        logprobs = sampled_token_logprobs(out.scores, completion_ids)
+            with recording_logprobs(model) as recorder:
+                sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                           generation_config=trainer.generation_config)
+        completion_ids = sequences[:, input_ids.size(1):]
+        logprobs = recorder.result(completion_ids)
         # Keep tokens up to and including the first EOS, as TRL does.
         is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids, device=completion_ids.device))
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], is_eos.size(1),
