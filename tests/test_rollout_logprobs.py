@@ -20,7 +20,7 @@ def _config(**sampling):
 
 def _both_ways(model, config):
     torch.manual_seed(0)
-    with recording_logprobs(model) as recorder:
+    with recording_logprobs(model, config.max_new_tokens) as recorder:
         sequences = model.generate(input_ids=PROMPTS, attention_mask=MASK, generation_config=config)
     recorded = recorder.result(sequences[:, PROMPTS.size(1):])
     torch.manual_seed(0)
@@ -53,4 +53,4 @@ def test_a_recorder_transformers_never_ran_is_a_loud_error():
     from trl_ext_plugins.rollout.rollout_logprobs import SampledTokenLogprobs
 
     with pytest.raises(RuntimeError, match="recorded 0 sampling steps for 3 generated tokens"):
-        SampledTokenLogprobs().result(torch.zeros(2, 3, dtype=torch.long))
+        SampledTokenLogprobs(8).result(torch.zeros(2, 3, dtype=torch.long))

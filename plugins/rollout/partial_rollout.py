@@ -227,7 +227,7 @@ class PartialRollout(Plugin):
                 ) as unwrapped,
                 torch.no_grad(),
             ):
-                with recording_logprobs(unwrapped) as recorder:
+                with recording_logprobs(unwrapped, config.max_new_tokens) as recorder:
                     sequences = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask,
                                                    generation_config=config,
                                                    stopping_criteria=StoppingCriteriaList([stop]))

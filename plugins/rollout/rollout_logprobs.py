@@ -36,43 +36,53 @@ class SampledTokenLogprobs(LogitsProcessor):
 
     It must be the last processor (after temperature, top-k, top-p, min-p and any other): :func:`recording_logprobs`
     appends it to the list transformers builds. A step's sampled token is the last input id of the next call, or the
-    last column of the finished sequences for the final step (:meth:`result`)."""
+    last column of the finished sequences for the final step (:meth:`result`). Results go into one ``(B,
+    max_new_tokens)`` buffer allocated at the first step: a small tensor kept per step would pin the allocator's heap
+    between the large per-step temporaries (measured: 12x the generation's own memory growth instead of 1x)."""
 
-    def __init__(self):
+    def __init__(self, max_new_tokens: int):
+        self.max_new_tokens = max_new_tokens
         self._last_scores: torch.Tensor | None = None
-        self._steps: list[torch.Tensor] = []
+        self._buffer: torch.Tensor | None = None
+        self._steps = 0
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._buffer is None:
+            self._buffer = torch.empty(scores.size(0), self.max_new_tokens, dtype=torch.float32, device=scores.device)
         self._take(input_ids[:, -1])
         self._last_scores = scores
         return scores
 
     def _take(self, tokens: torch.Tensor) -> None:
-        if self._last_scores is not None:
-            scores, self._last_scores = self._last_scores, None
-            self._steps.append(torch.log_softmax(scores.float(), dim=-1)
-                               .gather(-1, tokens[:, None].to(scores.device)).squeeze(-1))
+        if self._last_scores is None:
+            return
+        scores, self._last_scores = self._last_scores, None
+        if self._steps >= self.max_new_tokens:
+            raise RuntimeError(f"generation ran past max_new_tokens={self.max_new_tokens}")
+        picked = torch.log_softmax(scores.float(), dim=-1).gather(-1, tokens[:, None].to(scores.device))
+        self._buffer[:, self._steps] = picked.squeeze(-1)
+        self._steps += 1
 
     def result(self, completion_ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` log-probs of ``completion_ids`` (the generated columns of the returned sequences)."""
         if completion_ids.size(1):
             self._take(completion_ids[:, -1])
-        if len(self._steps) != completion_ids.size(1):  # a transformers change bypassed the processor: say so, loudly
-            raise RuntimeError(f"recorded {len(self._steps)} sampling steps for {completion_ids.size(1)} generated "
+        if self._steps != completion_ids.size(1):  # a transformers change bypassed the processor: say so, loudly
+            raise RuntimeError(f"recorded {self._steps} sampling steps for {completion_ids.size(1)} generated "
                                "tokens: transformers did not run the log-prob recorder as the last logits processor")
-        if not self._steps:
+        if self._buffer is None:
             return torch.zeros(completion_ids.size(0), 0, device=completion_ids.device)
-        return torch.stack(self._steps, dim=1)
+        return self._buffer[:, :self._steps]
 
 
 @contextmanager
-def recording_logprobs(model):
-    """Within the block, ``model.generate`` records sampled-token log-probs into the yielded
-    :class:`SampledTokenLogprobs`. transformers merges processors passed to ``generate`` *before* its sampling
-    warpers, so the recorder is appended to the list transformers builds (``_get_logits_processor``, shadowed on the
-    instance that generates for this block only)."""
+def recording_logprobs(model, max_new_tokens: int):
+    """Within the block, ``model.generate`` (at most ``max_new_tokens`` new tokens) records sampled-token log-probs
+    into the yielded :class:`SampledTokenLogprobs`. transformers merges processors passed to ``generate`` *before* its
+    sampling warpers, so the recorder is appended to the list transformers builds (``_get_logits_processor``, shadowed
+    on the instance that generates for this block only)."""
     generating = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT delegates generate
-    recorder = SampledTokenLogprobs()
+    recorder = SampledTokenLogprobs(max_new_tokens)
     build = generating._get_logits_processor
 
     def with_recorder(*args, **kwargs):
@@ -173,7 +183,7 @@ class RolloutLogprobs(Plugin):
             torch.no_grad(),
         ):
             model = self._generation_model(trainer, unwrapped)
-            with recording_logprobs(model) as recorder:
+            with recording_logprobs(model, trainer.generation_config.max_new_tokens) as recorder:
                 sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                            generation_config=trainer.generation_config)
         completion_ids = sequences[:, input_ids.size(1):]
