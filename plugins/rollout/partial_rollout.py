@@ -15,7 +15,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
-from trl_ext_plugins.rollout.rollout_logprobs import recording_logprobs
+from trl_ext_plugins.rollout.rollout_logprobs import generate_single_turns_with, recording_logprobs
 
 STALE_KEY = "partial_rollout_stale"  # RolloutBatch.loss_extras key: 1.0 on tokens of an older policy version
 BUFFER_FILE = "partial_rollout_rank{rank}.json"
@@ -185,15 +185,9 @@ class PartialRollout(Plugin):
     def trl_ext_generate(self, trainer, prompts, generate):
         if not trainer.model.training or self._plan is None:
             return generate(prompts)
-        if trainer.use_vllm or trainer.use_transformers_continuous_batching or trainer.tools:
-            raise RuntimeError(f"plugin {self.name!r} supports only plain transformers generation without tools")
-        # TRL's _generate calls self._generate_single_turn; shadow it on the instance for this one call only.
-        trainer._generate_single_turn = lambda prompt_ids, images, multimodal_fields, num_generations, \
-            has_tool_images=False: self._continue(trainer, prompt_ids, images, multimodal_fields)
-        try:
-            return generate(prompts)
-        finally:
-            del trainer._generate_single_turn
+        return generate_single_turns_with(
+            trainer, prompts, generate, self.name,
+            lambda prompt_ids, images, fields: self._continue(trainer, prompt_ids, images, fields))
 
     def _continue(self, trainer, prompt_ids, images, multimodal_fields):
         """Generate the unfinished trajectories of this round until the stop rule; return TRL's (ids, logprobs)."""

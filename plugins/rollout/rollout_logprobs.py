@@ -95,6 +95,21 @@ def recording_logprobs(model, max_new_tokens: int):
         del generating._get_logits_processor
 
 
+def generate_single_turns_with(trainer, prompts, generate, plugin_name: str, single_turn):
+    """TRL's generation (``generate(prompts)``) with its transformers call replaced, for this one call, by
+    ``single_turn(prompt_ids, images, multimodal_fields) -> (completion_ids, logprobs)``. TRL's ``_generate`` calls
+    ``self._generate_single_turn``, so the replacement shadows it on the trainer instance. Plain transformers
+    generation only: vLLM, continuous batching and tools are refused naming the plugin."""
+    if trainer.use_vllm or trainer.use_transformers_continuous_batching or trainer.tools:
+        raise RuntimeError(f"plugin {plugin_name!r} supports only plain transformers generation without tools")
+    trainer._generate_single_turn = lambda prompt_ids, images, multimodal_fields, num_generations, \
+        has_tool_images=False: single_turn(prompt_ids, images, multimodal_fields)
+    try:
+        return generate(prompts)
+    finally:
+        del trainer._generate_single_turn
+
+
 class RolloutLogprobs(Plugin):
     """Sampling log-probs without vLLM (provides the ``sampling_logprobs`` need).
 
@@ -131,15 +146,9 @@ class RolloutLogprobs(Plugin):
 
     @hookimpl
     def trl_ext_generate(self, trainer, prompts, generate):
-        if trainer.use_vllm or trainer.use_transformers_continuous_batching or trainer.tools:
-            raise RuntimeError(f"plugin {self.name!r} supports only plain transformers generation without tools")
-        # TRL's _generate calls self._generate_single_turn; shadow it on the instance for this one call only.
-        trainer._generate_single_turn = lambda prompt_ids, images, multimodal_fields, num_generations, \
-            has_tool_images=False: self._generate_single_turn(trainer, prompt_ids, images, multimodal_fields)
-        try:
-            return generate(prompts)
-        finally:
-            del trainer._generate_single_turn
+        return generate_single_turns_with(
+            trainer, prompts, generate, self.name,
+            lambda prompt_ids, images, fields: self._generate_single_turn(trainer, prompt_ids, images, fields))
 
     def _generation_model(self, trainer, unwrapped):
         dtype = DTYPES.get(self.params.dtype)
