@@ -311,7 +311,8 @@ class Interrupt(Exception):
 
 def _ppo_recipe():
     return parse_recipe({
-        "seed": 0, "trainer": "grpo", "model": "embedded:tiny-qwen2", "name": "ppo",
+        "seed": 0, "keep_checkpoints": True,  # the test reads checkpoint-2's critic after the run completed
+        "trainer": "grpo", "model": "embedded:tiny-qwen2", "name": "ppo",
         "plugins": [{"ppo": {"kl_coef": 0.05, "critic_lr": 1e-3}}, "exact_match"],
         "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}},
         "args": {"max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 8, "num_generations": 4,

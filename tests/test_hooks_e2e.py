@@ -256,3 +256,26 @@ def test_peft_stage_saves_adapter_and_a_merged_model_the_next_stage_loads(tmp_pa
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
     assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # LoRA touched only its targets
     assert (tmp_path / "after" / "stage.json").exists()
+
+
+def test_checkpoints_are_pruned_once_the_stage_is_complete_unless_kept(tmp_path):
+    from trl_ext.runner import prune_checkpoints
+
+    messages = []
+    run_recipe(_sft_recipe(4), tmp_path / "pruned", _catalog(), echo=messages.append)
+    stage = tmp_path / "pruned" / "sft"
+    assert (stage / "stage.json").exists() and (stage / "model.safetensors").exists()
+    assert not (stage / "checkpoints").exists() and not (stage / ".checkpoints.pruning").exists()
+    assert any("removed its training checkpoints" in m for m in messages)
+
+    kept = _sft_recipe(4).model_copy(update={"keep_checkpoints": True})
+    run_recipe(kept, tmp_path / "kept", _catalog(), echo=lambda _m: None)
+    assert sorted(p.name for p in (tmp_path / "kept" / "sft" / "checkpoints").glob("checkpoint-*")) == \
+        ["checkpoint-2", "checkpoint-4"]
+
+    # A kill between the rename and the deletion leaves the renamed folder: the next run (stage already complete)
+    # finishes deleting it, and nothing else of the stage is touched.
+    (stage / ".checkpoints.pruning" / "checkpoint-2").mkdir(parents=True)
+    run_recipe(_sft_recipe(4), tmp_path / "pruned", _catalog(), echo=lambda _m: None)
+    assert not (stage / ".checkpoints.pruning").exists() and (stage / "model.safetensors").exists()
+    prune_checkpoints(stage, messages.append)  # nothing left to prune: a no-op

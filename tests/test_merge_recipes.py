@@ -124,7 +124,7 @@ def test_warp_recipe_end_to_end(tmp_path):
     rl_args = {"max_steps": 2, "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 4,
                "learning_rate": 1e-3, "save_steps": 1, "logging_steps": 1, "gradient_checkpointing": False}
     rl = {"trainer": "rloo", "model": "embedded:tiny-qwen2", "dataset": PROMPTS, "plugins": ["warp", "exact_match"]}
-    recipe = parse_recipe({"seed": 0, "stages": [
+    recipe = parse_recipe({"seed": 0, "keep_checkpoints": True, "stages": [  # the test reads the checkpoints
         {**rl, "name": "rl_a", "args": {**rl_args, "seed": 1}},
         {**rl, "name": "rl_b", "args": {**rl_args, "seed": 2}},
         {"name": "warp", "trainer": "merge", "model": "embedded:tiny-qwen2", "dataset": PROMPTS,
@@ -165,7 +165,7 @@ def test_warp_recipe_end_to_end(tmp_path):
 def test_checkpoint_average_on_a_training_stage(tmp_path):
     """SFT for 6 steps saving every 2; LAWA over the last 2 checkpoints replaces the stage's model, which a later
     stage reads; held-out evaluation runs on the averaged model."""
-    recipe = parse_recipe({"seed": 0, "stages": [{
+    recipe = parse_recipe({"seed": 0, "keep_checkpoints": True, "stages": [{  # the test reads the checkpoints
         "name": "sft", "trainer": "sft", "model": "embedded:tiny-qwen2",
         "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}},
         "plugins": ["sft", {"checkpoint_average": {"last_n": 2}}],
@@ -197,7 +197,7 @@ def test_warp_anchor_survives_a_crash(tmp_path):
     import sys
 
     recipe = tmp_path / "warp_rl.yaml"
-    recipe.write_text(json.dumps({"seed": 0, "stages": [{
+    recipe.write_text(json.dumps({"seed": 0, "keep_checkpoints": True, "stages": [{  # the test reads the checkpoints
         "name": "rl", "trainer": "rloo", "model": "embedded:tiny-qwen2", "dataset": PROMPTS,
         "plugins": ["warp", "exact_match"],
         "args": {"max_steps": 3, "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 4,

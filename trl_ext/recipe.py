@@ -161,6 +161,10 @@ class Recipe(_Strict):
     output_dir: str | None = None
     seed: int | None = None
     distributed: DistributedSpec | None = None
+    # Training checkpoints (weights plus optimizer state, several times the model) are deleted once their stage is
+    # complete: the stage folder holds the final model and later stages read only that. True keeps them (for
+    # inspection, or to average them in a later run by path).
+    keep_checkpoints: bool = False
     # The file the recipe was read from (None when built in code): where to look for the recipes that build another
     # run's outputs it uses, to name them when those outputs are missing.
     _source_file: Path | None = PrivateAttr(default=None)
@@ -170,7 +174,7 @@ class Recipe(_Strict):
     @classmethod
     def _single_stage_shorthand(cls, data: Any) -> Any:
         if isinstance(data, dict) and "stages" not in data and "trainer" in data:
-            top = {k: data[k] for k in ("output_dir", "seed", "distributed") if k in data}
+            top = {k: data[k] for k in ("output_dir", "seed", "distributed", "keep_checkpoints") if k in data}
             stage = {k: v for k, v in data.items() if k not in top}
             return {**top, "stages": [stage]}
         return data

@@ -382,11 +382,12 @@ def _run_stages(recipe: Recipe, resolved: list[ResolvedStage], fingerprints: dic
             if done is not None:
                 ctx.echo(f"[trl-ext] stage {rs.spec.name!r}: already complete, skipping")
                 run_info["stages"][rs.spec.name] = done.get("summary", {})
-                continue
-            summary = run_stage(rs, ctx, fingerprints[rs.spec.name])
-            run_info["stages"][rs.spec.name] = summary
-            if state.is_main_process:
-                write_json_atomic(output_dir / "run.json", run_info)
+            else:
+                run_info["stages"][rs.spec.name] = run_stage(rs, ctx, fingerprints[rs.spec.name])
+                if state.is_main_process:
+                    write_json_atomic(output_dir / "run.json", run_info)
+            if state.is_main_process and not recipe.keep_checkpoints:
+                prune_checkpoints(output_dir / rs.spec.name, ctx.echo)  # also what a kill left half-pruned
     finally:
         _CURRENT_RUN.reset(token)
 
@@ -401,6 +402,20 @@ def _run_stages(recipe: Recipe, resolved: list[ResolvedStage], fingerprints: dic
         write_json_atomic(output_dir / "run.json", run_info)
         ctx.echo(format_summary(run_info))
     return run_info
+
+
+def prune_checkpoints(stage_dir: Path, echo: Callable[[str], None]) -> None:
+    """Delete a complete stage's training checkpoints. The folder is first renamed aside in one step, so a kill
+    mid-deletion leaves either the whole folder or a ``.pruning`` leftover that the next run finishes deleting."""
+    checkpoints, doomed = stage_dir / "checkpoints", stage_dir / ".checkpoints.pruning"
+    if checkpoints.is_dir():
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.replace(checkpoints, doomed)
+        crash_point("prune_checkpoints")
+        echo(f"[trl-ext] stage {stage_dir.name!r}: removed its training checkpoints (keep_checkpoints: true keeps them)")
+    if doomed.exists():
+        shutil.rmtree(doomed)
 
 
 def _plugin_versions(rs: ResolvedStage, catalog) -> list[dict[str, Any]]:
