@@ -172,7 +172,9 @@ def test_token_advantages_are_finite_and_zero_off_mask(data, gamma, lam):
     kl = torch.where(mask.bool(), torch.tensor(0.5), torch.tensor(float("inf")))
     per_token = adv.token_rewards(rewards, mask, kl, 0.01)
     a, ret = adv.gae(per_token, values, mask, gamma, lam)
-    for x in (per_token, a, ret, adv.discounted_returns(per_token, mask, gamma), adv.masked_whiten(ret, mask)):
+    baselines = torch.tensor(data.draw(st.lists(REWARDS, min_size=rows, max_size=rows)), dtype=F32)
+    remax = adv.remax_token_advantages(rewards, baselines, mask, kl, 0.01)  # KL in the reward, verl's ReMax form
+    for x in (per_token, a, ret, adv.discounted_returns(per_token, mask, gamma), adv.masked_whiten(ret, mask), remax):
         assert torch.isfinite(x).all() and torch.all(x[~mask.bool()] == 0)
     assert torch.isfinite(adv.masked_whiten(values, mask)).all()
 
@@ -189,8 +191,8 @@ def rollout_batch(rewards, mask, tool_mask, logps):
 
 
 @settings(SETTINGS, max_examples=25)
-@given(data=st.data(), estimator=st.sampled_from(["k1", "k2", "k3"]))
-def test_advantage_plugins_are_finite(data, estimator):
+@given(data=st.data(), estimator=st.sampled_from(["k1", "k2", "k3"]), kl_clamp=st.sampled_from([None, 10.0]))
+def test_advantage_plugins_are_finite(data, estimator, kl_clamp):
     rewards, group = data.draw(grouped_rewards(min_group=2))
     rows = rewards.numel()
     mask = data.draw(token_mask(rows))
@@ -203,9 +205,11 @@ def test_advantage_plugins_are_finite(data, estimator):
     batch = rollout_batch(rewards, mask, tool, logps)
     critic = lambda *inputs: torch.ones_like(mask)  # noqa: E731
     critic.eval = lambda: None
-    ppo = PPO(PPOParams(kl_estimator=estimator))
+    ppo = PPO(PPOParams(kl_estimator=estimator, kl_clamp=kl_clamp))
     ppo.critic = critic
-    plugins = [RLOO(), RLOO(RLOOParams(normalize=True)), ReinforcePP(ReinforcePPParams(kl_estimator=estimator)),
+    plugins = [RLOO(), RLOO(RLOOParams(normalize=True)),
+               RLOO(RLOOParams(kl_coef=0.1, kl_estimator=estimator, kl_clamp=kl_clamp, normalize=True)),
+               ReinforcePP(ReinforcePPParams(kl_estimator=estimator, kl_clamp=kl_clamp)),
                ReinforcePPBaseline(), ReinforceBaseline(ReinforceBaselineParams(baseline="batch_mean")),
                ReinforceBaseline(ReinforceBaselineParams(baseline="group_mean")), ppo]
     for plugin in plugins:

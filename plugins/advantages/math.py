@@ -144,12 +144,31 @@ def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor, group_
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k1",
+                clamp: float | None = None) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs; ``estimator`` in ``KL_ESTIMATORS``
-    (:func:`trl_ext.ops.kl_estimate`: k3's exponent is clamped to +-20, so extreme log-ratios stay finite)."""
+    (:func:`trl_ext.ops.kl_estimate`: k3's exponent is clamped to +-20, so extreme log-ratios stay finite);
+    ``clamp``: optionally clamp the estimate to [-clamp, clamp] (verl clamps its KL penalty to +-10 for k3)."""
     from trl_ext import ops
 
-    return ops.kl_estimate(logps, ref_logps, estimator)
+    return ops.kl_estimate(logps, ref_logps, estimator, clamp)
+
+
+def masked_token_kl(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, estimator: str = "k1",
+                    clamp: float | None = None) -> torch.Tensor:
+    """:func:`kl_estimate` on the valid tokens of ``mask``, exactly 0 elsewhere (``where`` before the estimate, so
+    -inf log-probs at padding cannot produce NaN). The per-token KL that every KL-in-the-reward form starts from."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    kl = kl_estimate(torch.where(valid, logps, zero), torch.where(valid, ref_logps.to(logps.dtype), zero), estimator,
+                     clamp)
+    return torch.where(valid, kl, zero)
+
+
+def sequence_kl_rewards(rewards: torch.Tensor, sequence_kl: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """Sequence-level KL in the reward: ``R - kl_coef * sum_t KL_t`` per row (TRL RLOOTrainer, verl's RLOO on
+    ``token_level_rewards.sum(-1)``); ``sequence_kl`` holds the per-row sums. Unscorable rows (NaN) stay NaN."""
+    return rewards - kl_coef * sequence_kl.to(rewards.dtype)
 
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -208,6 +227,18 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
     """``G_t = sum_{s >= t} gamma^(s-t) r_s`` over the valid tokens of each sequence (GAE with V = 0 and lambda = 1):
     invalid interior tokens are skipped (the return carries across them, undiscounted), not episode ends."""
     return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+def remax_token_advantages(rewards: torch.Tensor, baselines: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor,
+                           kl_coef: float) -> torch.Tensor:
+    """ReMax with the KL in the token rewards (verl's ``compute_remax_outcome_advantage``): ``A_t = G_t - b`` with
+    ``G_t = sum_{s >= t} r_s``, ``r_s = 1[s = last] * R - kl_coef * KL_s`` and ``b`` the greedy completion's reward.
+    ``rewards``, ``baselines``: ``(B,)`` (one baseline per row); rows where either is NaN (unscorable) get 0, as
+    :func:`remax_advantages`; 0 off the mask. Returns ``(B, T)``."""
+    defined = ~(torch.isnan(rewards) | torch.isnan(baselines))
+    per_token = token_rewards(torch.nan_to_num(rewards), mask, kl, kl_coef)
+    out = discounted_returns(per_token, mask, 1.0) - torch.nan_to_num(baselines).to(per_token.dtype).unsqueeze(-1)
+    return torch.where(mask.bool() & defined.unsqueeze(-1), out, torch.zeros_like(out))
 
 
 def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:

@@ -7,22 +7,28 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
+from trl_ext import Need, Plugin, Slot, hookimpl
 from trl_ext_plugins.advantages.critic import CriticCheckpointCallback, critic_from_path, critic_from_policy
 from trl_ext_plugins.advantages.math import (
     clipped_value_loss,
     explained_variance,
     gae,
-    kl_estimate,
     length_adaptive_lambda,
     masked_moments,
     masked_whiten,
     token_rewards,
 )
-from trl_ext_plugins.advantages.rollout import drop_loss_kl, local, rank_reduce, reference_only_beta, sampling_policy_logps
+from trl_ext_plugins.advantages.rollout import (
+    RewardKLParams,
+    drop_loss_kl,
+    local,
+    rank_reduce,
+    reference_only_beta,
+    reward_kl,
+)
 
 
-class PPOParams(PluginParams):
+class PPOParams(RewardKLParams):
     critic: Literal["policy_copy", "path"] = Field(
         "policy_copy", description="policy_copy: a value head on a copy of the policy's trunk; path: a value model "
         "loaded from critic_path (a sequence-classification reward model gives trunk and head).")
@@ -44,7 +50,6 @@ class PPOParams(PluginParams):
                                                 "is 1 - 1/(alpha * l) (VAPO, alpha 0.05), replacing lam.")
     kl_coef: float = Field(0.01, ge=0.0, description="beta of the k1 KL to the reference folded into the token rewards "
                            "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01; needs args.beta != 0).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL_t estimator on log pi_old - log pi_ref.")
     kl_in_loss: bool = Field(True, description="true (default, as before): TRL's args.beta k3 KL term stays in the "
                              "loss too; false: the KL is only in the reward: no loss term, and args.beta (set to 1.0 by "
                              "this plugin when the recipe leaves it 0) only makes TRL compute the reference log-probs.")
@@ -63,7 +68,8 @@ class PPO(Plugin):
     arXiv 2203.02155) with a learned value model and GAE (arXiv 1506.02438), on the GRPO trainer.
 
     Each rollout: the critic scores prompt + completion (no grad) giving ``V(s_t)`` per completion token; token rewards
-    ``r_t = 1[t = T] * R - kl_coef * KL_t`` (k1 on ``log pi_old - log pi_ref`` by default; KL folded into the reward);
+    ``r_t = 1[t = T] * R - kl_coef * KL_t`` (k1 on ``log pi_old - log pi_ref`` by default, k2/k3 selectable,
+    optionally clamped to ``+-kl_clamp``; KL folded into the reward);
     GAE ``A_t = sum_l (gamma lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t``, ``V`` after the last token
     0; the policy gets the ``(B, T)`` advantages (whitened over the global batch by default) and the GRPO trainer's
     clipped objective (``args.epsilon``, ``loss_type``). The critic, a separate module with its own AdamW optimizer,
@@ -146,9 +152,7 @@ class PPO(Plugin):
         sequence = torch.nan_to_num(local(rewards, batch)).to(torch.float32)
         if self.params.kl_coef <= 0:
             return token_rewards(sequence, mask)
-        kl = kl_estimate(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(),
-                         self.params.kl_estimator)
-        batch.metrics["ppo/kl"] = (torch.where(mask.bool(), kl, 0.0).sum() / mask.sum().clamp(min=1.0)).item()
+        kl = reward_kl(batch, self.params.kl_estimator, self.params.kl_clamp, "ppo/kl")
         return token_rewards(sequence, mask, kl, self.params.kl_coef)
 
     @hookimpl

@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from pydantic import Field
 
-from trl_ext import Need, NoParams, Plugin, PluginParams, Slot, hookimpl
+from trl_ext import Need, NoParams, Plugin, Slot, hookimpl
 from trl_ext_plugins.advantages.math import (
     discounted_returns,
     group_mean_baseline,
-    kl_estimate,
     masked_whiten,
     token_rewards,
 )
-from trl_ext_plugins.advantages.rollout import drop_loss_kl, local, rank_reduce, reference_only_beta, sampling_policy_logps
+from trl_ext_plugins.advantages.rollout import (
+    RewardKLParams,
+    drop_loss_kl,
+    local,
+    rank_reduce,
+    reference_only_beta,
+    reward_kl,
+)
 
 
-class ReinforcePPParams(PluginParams):
+class ReinforcePPParams(RewardKLParams):
     kl_coef: float = Field(0.01, ge=0.0, description="beta of the per-token KL folded into the reward, "
                            "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="KL_t estimator with d = log pi_old - log "
-                                                     "pi_ref: k1 = d (paper), k2 = d^2/2, k3 = e^-d - 1 + d.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of the token returns G_t (paper: 1).")
     kl_in_loss: bool = Field(True, description="true (default, as before): TRL's args.beta k3 KL term stays in the "
                              "loss too; false: the KL is only in the reward: no loss term, and args.beta (set to 1.0 by "
@@ -33,7 +35,8 @@ class ReinforcePP(Plugin):
     """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): critic-free token-level advantages.
 
     Token rewards ``r_t = 1[t = T] * R - beta * KL_t`` with ``KL_t`` from ``log pi_old - log pi_ref`` of the sampled
-    token (k1 by default; k2/k3 selectable), returns ``G_t = sum_{s >= t} gamma^(s-t) r_s`` (gamma 1), then
+    token (k1 by default; k2/k3 selectable; optionally clamped to ``+-kl_clamp``, verl 10), returns
+    ``G_t = sum_{s >= t} gamma^(s-t) r_s`` (gamma 1), then
     ``A_t = (G_t - mean) / std`` over the valid tokens of the *global* batch (all ranks; unbiased variance,
     ``sqrt(var + 1e-8)``; verl's masked_whiten). Returns ``(B, T)`` advantages for a PPO-clip objective.
 
@@ -63,11 +66,9 @@ class ReinforcePP(Plugin):
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
         mask = batch.loss_mask  # completion tokens minus tool tokens, as the policy loss
-        kl = kl_estimate(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(),
-                         self.params.kl_estimator)
+        kl = reward_kl(batch, self.params.kl_estimator, self.params.kl_clamp, "reinforce_pp/kl")
         per_token = token_rewards(torch.nan_to_num(local(rewards, batch)).float(), mask, kl, self.params.kl_coef)
         returns = discounted_returns(per_token, mask, self.params.gamma)
-        batch.metrics["reinforce_pp/kl"] = torch.where(mask.bool(), kl, 0.0).sum().item() / max(mask.sum().item(), 1.0)
         return masked_whiten(returns, mask, rank_reduce(batch))
 
 

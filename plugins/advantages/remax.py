@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
+from pydantic import Field
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
-from trl_ext import NoParams, Plugin, Slot, hookimpl
-from trl_ext_plugins.advantages.math import remax_advantages
-from trl_ext_plugins.advantages.rollout import local
+from trl_ext import Plugin, Slot, hookimpl
+from trl_ext_plugins.advantages.math import remax_advantages, remax_token_advantages, sequence_kl_rewards
+from trl_ext_plugins.advantages.rollout import RewardKLHooks, RewardKLParams, gathered, local, reward_kl
+
+
+class ReMaxParams(RewardKLParams):
+    kl_coef: float = Field(0.0, ge=0.0, description="beta of the KL folded into the sampled completions' rewards "
+                           "(verl use_kl_in_reward with kl_ctrl.kl_coef, 0.001 there; 0: off, as before).")
+    kl_level: Literal["token", "sequence"] = Field(
+        "token", description="How the KL enters the advantage. token (verl compute_remax_outcome_advantage): "
+        "A_t = sum_{s >= t} r_s - b with r_s = 1[s = last] R - beta KL_s, so each token carries its reward-to-go KL; "
+        "sequence (TRL RLOOTrainer's form): A = R - beta sum_t KL_t - b on every token.")
+    kl_in_loss: bool = Field(False, description="With kl_coef > 0: false (ReMax paper, verl) keeps the KL only in the "
+                             "reward (no loss term; args.beta is set to 1.0 when the recipe leaves it 0, only so TRL "
+                             "computes the reference); true also keeps the recipe's args.beta k3 loss term.")
 
 
 @contextmanager
@@ -51,7 +65,7 @@ def greedy_rewards(trainer, prompts: list, inputs: list[dict]) -> torch.Tensor:
     return totals
 
 
-class ReMax(Plugin):
+class ReMax(RewardKLHooks, Plugin):
     """ReMax (Li et al., ICML 2024, arXiv 2310.10505): ``A(x, y) = R(x, y) - R(x, y_greedy(x))``.
 
     Each rollout, every prompt is decoded once more *greedily* (one extra generation per prompt, not per sample),
@@ -65,13 +79,24 @@ class ReMax(Plugin):
     rank's rollout batch to hold whole prompt groups (TRL's default sampler does when the per-device generation batch
     is a multiple of ``num_generations``) and transformers generation (``use_vllm`` is refused: the greedy pass would
     need a separate vLLM sampling configuration).
+
+    KL in the reward (off by default, ``kl_coef: 0``; the paper trains with the KL in the reward): ``KL_t`` from
+    ``log pi_old - log pi_ref`` on the loss tokens (``kl_estimator`` k1 default, k2/k3; optional ``kl_clamp``), and
+    ``kl_level`` says how it enters: ``token`` (default, verl's ReMax: ``A_t = G_t - b``, ``G_t`` the return-to-go
+    of the KL-penalised token rewards; ``(B, T)`` advantages) or ``sequence`` (``A = R - kl_coef * sum_t KL_t - b``,
+    broadcast). The greedy baseline ``b`` is the raw reward of the greedy completion, with no KL (verl's).
+    Logged: ``remax/kl``.
     """
 
     name = "remax"
     family = "advantage"
     trainers = frozenset({"grpo"})
     slots = frozenset({Slot.ADVANTAGE})
-    Params = NoParams
+    Params = ReMaxParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.needs = self._reward_kl_needs()
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
@@ -89,6 +114,14 @@ class ReMax(Plugin):
                              "the per-device generation batch a multiple of num_generations")
         rows = range(0, stop - start, group)
         baseline = greedy_rewards(batch.trainer, [batch.prompts[i] for i in rows], [batch.inputs[i] for i in rows])
-        advantages = remax_advantages(rewards, baseline.to(rewards.device), group)
+        baseline = baseline.to(rewards.device)
         batch.metrics["remax/greedy_reward_mean"] = torch.nanmean(baseline).item()
-        return local(advantages, batch)
+        p = self.params
+        if p.kl_coef <= 0:
+            return local(remax_advantages(rewards, baseline, group), batch)
+        kl = reward_kl(batch, p.kl_estimator, p.kl_clamp, "remax/kl")
+        if p.kl_level == "sequence":
+            penalised = sequence_kl_rewards(rewards, gathered(kl.sum(-1), batch), p.kl_coef)
+            return local(remax_advantages(penalised, baseline, group), batch)
+        rows = local(baseline.repeat_interleave(group), batch)
+        return remax_token_advantages(local(rewards, batch).float(), rows.float(), batch.loss_mask, kl, p.kl_coef)

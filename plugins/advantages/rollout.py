@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Literal
 
+import torch
+from pydantic import Field
+
+from trl_ext import PluginParams, hookimpl
 from trl_ext.batches import RolloutBatch
-from trl_ext_plugins.advantages.math import Reduce
+from trl_ext_plugins.advantages.math import Reduce, masked_token_kl
+
+
+class RewardKLParams(PluginParams):
+    """The fields every KL-in-the-reward plugin shares (each declares its own ``kl_coef`` and ``kl_in_loss``)."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="Per-token KL_t estimator with d = log pi_old - log pi_ref: k1 = d (OpenRLHF/TRL RLOO "
+        "default, can be negative), k2 = d^2/2, k3 = e^-d - 1 + d (verl 'kl', 'mse', 'low_var_kl').")
+    kl_clamp: float | None = Field(None, gt=0.0, description="Clamp each KL_t to [-c, c] before it enters the "
+                                   "reward (verl clamps low_var_kl to 10; null: no clamp, OpenRLHF/TRL).")
 
 
 def rank_reduce(batch: RolloutBatch) -> Reduce:
@@ -19,6 +33,14 @@ def rank_reduce(batch: RolloutBatch) -> Reduce:
 def local(values: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
     """This rank's rows of a gathered ``(N, ...)`` tensor."""
     return values[batch.process_slice]
+
+
+def gathered(values: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """This rank's ``(B, ...)`` rows gathered from every rank into the ``(N, ...)`` layout of the rewards."""
+    trainer = batch.trainer
+    if trainer is None or trainer.accelerator.num_processes == 1:
+        return values
+    return trainer.accelerator.gather(values)
 
 
 def sampling_policy_logps(batch: RolloutBatch) -> torch.Tensor:
@@ -41,6 +63,20 @@ def sampling_policy_logps(batch: RolloutBatch) -> torch.Tensor:
     return logps
 
 
+def reward_kl(batch: RolloutBatch, estimator: str, clamp: float | None, metric: str) -> torch.Tensor:
+    """Per-token KL of the sampling policy to the reference, ``(B, T)`` float32, on the loss tokens (0 elsewhere):
+    the KL every KL-in-the-reward plugin (``ppo``, ``reinforce_pp``, ``rloo``, ``remax``) folds into its rewards.
+    Logs its token mean over this rank's loss tokens as ``metric``."""
+    if batch.ref_per_token_logps is None:
+        raise ValueError(f"{metric.split('/')[0]}: the KL in the reward needs the reference log-probs, which this "
+                         "batch does not carry")
+    mask = batch.loss_mask
+    kl = masked_token_kl(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(), mask, estimator,
+                         clamp)
+    batch.metrics[metric] = (kl.sum() / mask.sum().clamp(min=1.0)).item()
+    return kl
+
+
 def reference_only_beta(args: dict) -> dict | None:
     """TRL computes reference log-probs only when ``args.beta != 0``; a plugin that folds the KL into the reward and
     keeps it out of the loss sets ``beta: 1.0`` when the recipe leaves it 0 (the trainer's loss KL coefficient is then
@@ -54,3 +90,28 @@ def drop_loss_kl(trainer) -> None:
 
     trainer.kl_term = ops.KLTerm(trainer.kl_term.estimator, trainer.kl_term.bias_correction, trainer.kl_term.clamp,
                                  coef=0.0)
+
+
+class RewardKLHooks:
+    """Mixin for advantage plugins whose KL to the reference is *optional* and folded into the reward (``rloo``,
+    ``remax``): params ``kl_coef`` (0 = off, the default) and ``kl_in_loss``. When the KL is on the plugin needs the
+    reference; with ``kl_in_loss: false`` it asks for ``args.beta: 1.0`` when the recipe leaves beta 0 (only so TRL
+    computes the reference) and drops the loss KL term; with ``kl_in_loss: true`` the recipe's ``args.beta`` KL loss
+    term stays as well (and must be non-zero, to get the reference)."""
+
+    def _reward_kl_needs(self) -> frozenset:
+        from trl_ext import Need
+
+        return frozenset({Need.REFERENCE}) if self.params.kl_coef > 0 else frozenset()
+
+    def _kl_only_in_reward(self) -> bool:
+        return self.params.kl_coef > 0 and not self.params.kl_in_loss
+
+    @hookimpl
+    def trl_ext_configure_args(self, trainer, args):
+        return reference_only_beta(args) if self._kl_only_in_reward() else None
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        if self._kl_only_in_reward():
+            drop_loss_kl(trainer)

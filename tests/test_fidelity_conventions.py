@@ -1,0 +1,208 @@
+"""Issue 10 conventions made expressible as named switches (default unchanged). Every expected number is computed by
+hand from the formula in the comment next to it, independently of the implementation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trl_ext import ops
+from trl_ext.batches import RolloutBatch
+from trl_ext.errors import RecipeError
+from trl_ext.recipe import StageSpec
+from trl_ext.stage import resolve_stage
+from trl_ext_plugins.advantages import math as adv
+from trl_ext_plugins.advantages import remax as remax_module
+from trl_ext_plugins.advantages.ppo import PPO, PPOParams
+from trl_ext_plugins.advantages.reinforce_pp import ReinforcePP, ReinforcePPParams
+from trl_ext_plugins.advantages.remax import ReMax, ReMaxParams
+from trl_ext_plugins.advantages.rloo import RLOO, RLOOParams
+
+D = torch.float64
+NEG_INF = float("-inf")
+
+
+def rollout_batch(rewards, old, ref, mask, group, tool_mask=None):
+    """A one-process RolloutBatch with the sampling policy's (``old``) and the reference's log-probs."""
+    mask = torch.as_tensor(mask, dtype=torch.float32)
+    b, t = mask.shape
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    return RolloutBatch(
+        rewards_per_func=rewards.unsqueeze(-1), reward_names=["r"], reward_weights=torch.ones(1), num_generations=group,
+        process_slice=slice(0, b), completion_ids=torch.zeros(b, t, dtype=torch.long), completion_mask=mask,
+        completion_lengths=mask.sum(-1), prompts=["p"] * b, completions=[""] * b, inputs=[{}] * b,
+        old_per_token_logps=torch.as_tensor(old, dtype=torch.float32),
+        ref_per_token_logps=torch.as_tensor(ref, dtype=torch.float32),
+        tool_mask=None if tool_mask is None else torch.tensor(tool_mask, dtype=torch.float32),
+    )
+
+
+# -- 1. KL folded into the reward: rloo, remax (and the shared pieces ppo / reinforce_pp use) -------------------------
+
+# d = log pi_old - log pi_ref on two valid tokens and one padded (-inf) position: d = [0.5, 0]
+OLD, REF, MASK = [[-1.0, -0.5, NEG_INF]], [[-1.5, -0.5, NEG_INF]], [[1.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("estimator, clamp, expected", [
+    ("k1", None, [0.5, 0.0, 0.0]),  # k1 = d
+    ("k2", None, [0.125, 0.0, 0.0]),  # k2 = d^2 / 2
+    ("k3", None, [math.exp(-0.5) - 1 + 0.5, 0.0, 0.0]),  # k3 = e^-d - 1 + d = 0.1065306597
+    ("k1", 0.3, [0.3, 0.0, 0.0]),  # clamped to [-0.3, 0.3]
+])
+def test_masked_token_kl_by_hand(estimator, clamp, expected):
+    kl = adv.masked_token_kl(torch.tensor(OLD, dtype=D), torch.tensor(REF, dtype=D), torch.tensor(MASK), estimator,
+                             clamp)
+    assert torch.isfinite(kl).all()  # -inf at the padded position never reaches the estimate
+    assert kl[0].tolist() == pytest.approx(expected, abs=1e-12)
+
+
+# 2 prompts x 2 samples, rewards [1, 0 | 0.5, NaN]; per-token k1 d: row0 [0.5, 0.5] (sum 1.0), row1 [-0.2, pad]
+# (sum -0.2), row2 [0.1, 0.3] (sum 0.4), row3 [0.2, 0.2]. kl_coef 0.1: R' = R - 0.1 * sum d = [0.9, 0.02, 0.46, NaN];
+# leave-one-out A_k = R'_k - R'_other: [0.88, -0.88]; the second group has one scorable row -> 0, unscorable -> 0.
+RLOO_OLD = [[-0.5, -0.5], [-1.2, NEG_INF], [-0.9, -0.7], [-0.8, -0.8]]
+RLOO_REF = [[-1.0, -1.0], [-1.0, NEG_INF], [-1.0, -1.0], [-1.0, -1.0]]
+RLOO_MASK = [[1, 1], [1, 0], [1, 1], [1, 1]]
+
+
+def test_rloo_sequence_kl_in_the_reward_by_hand():
+    batch = rollout_batch([1.0, 0.0, 0.5, math.nan], RLOO_OLD, RLOO_REF, RLOO_MASK, group=2)
+    rewards = torch.tensor([1.0, 0.0, 0.5, math.nan])
+    out = RLOO(RLOOParams(kl_coef=0.1)).trl_ext_compute_advantages(rewards=rewards, batch=batch)
+    assert out.tolist() == pytest.approx([0.88, -0.88, 0.0, 0.0], abs=1e-6)
+    assert batch.metrics["rloo/kl"] == pytest.approx((1.0 - 0.2 + 0.4 + 0.4) / 7, abs=1e-6)  # token mean of d
+    # k2 with clamp 0.1: row0 d^2/2 = 0.125 -> 0.1 each (sum 0.2), row1 0.02; R' = [0.98, -0.002] -> A = +-0.982
+    out = RLOO(RLOOParams(kl_coef=0.1, kl_estimator="k2", kl_clamp=0.1)).trl_ext_compute_advantages(
+        rewards=rewards, batch=batch)
+    assert out[:2].tolist() == pytest.approx([0.982, -0.982], abs=1e-6)
+    # default: no KL, the reference is not even read
+    batch.ref_per_token_logps = None
+    assert RLOO().trl_ext_compute_advantages(rewards=rewards, batch=batch).tolist() == pytest.approx([1, -1, 0, 0])
+
+
+def test_rloo_kl_skips_tool_tokens():
+    # row0's second token is a tool token: sum d = 0.5 only; R' = [0.95, 0.02] -> A = [0.93, -0.93]
+    batch = rollout_batch([1.0, 0.0, 0.5, math.nan], RLOO_OLD, RLOO_REF, RLOO_MASK, group=2,
+                          tool_mask=[[1, 0], [1, 1], [1, 1], [1, 1]])
+    out = RLOO(RLOOParams(kl_coef=0.1)).trl_ext_compute_advantages(rewards=torch.tensor([1.0, 0.0, 0.5, math.nan]),
+                                                                   batch=batch)
+    assert out[:2].tolist() == pytest.approx([0.93, -0.93], abs=1e-6)
+
+
+# ReMax, one prompt x 2 samples, R = [1, 0], greedy baseline b = 0.5, kl_coef 0.5, k1 d: row0 [0.1, 0.2, 0.3],
+# row1 [0.4, -0.4, pad].
+# token level (verl): r = 1[last] R - 0.5 d; row0 r = [-0.05, -0.1, 0.85] -> G = [0.7, 0.75, 0.85] -> A = G - 0.5 =
+# [0.2, 0.25, 0.35]; row1 r = [-0.2, 0.2] -> G = [0, 0.2] -> A = [-0.5, -0.3, 0 (pad)].
+# sequence level: R' = R - 0.5 sum d = [0.7, 0] -> A = [0.2, -0.5] on every token.
+REMAX_OLD = [[-0.9, -0.8, -0.7], [-0.6, -1.4, NEG_INF]]
+REMAX_REF = [[-1.0, -1.0, -1.0], [-1.0, -1.0, NEG_INF]]
+REMAX_MASK = [[1, 1, 1], [1, 1, 0]]
+
+
+@pytest.mark.parametrize("level, expected", [
+    ("token", [[0.2, 0.25, 0.35], [-0.5, -0.3, 0.0]]),
+    ("sequence", [[0.2], [-0.5]]),
+])
+def test_remax_kl_in_the_reward_by_hand(monkeypatch, level, expected):
+    monkeypatch.setattr(remax_module, "greedy_rewards", lambda trainer, prompts, inputs: torch.tensor([0.5]))
+    batch = rollout_batch([1.0, 0.0], REMAX_OLD, REMAX_REF, REMAX_MASK, group=2)
+    plugin = ReMax(ReMaxParams(kl_coef=0.5, kl_level=level))
+    out = plugin.trl_ext_compute_advantages(rewards=torch.tensor([1.0, 0.0]), batch=batch)
+    assert out.reshape(2, -1).tolist() == [pytest.approx(row, abs=1e-6) for row in expected]
+    # default unchanged: A = R - b per row, no reference read
+    batch.ref_per_token_logps = None
+    assert ReMax().trl_ext_compute_advantages(rewards=torch.tensor([1.0, 0.0]), batch=batch).tolist() == [0.5, -0.5]
+
+
+def test_remax_token_advantages_zero_for_unscorable_rows():
+    out = adv.remax_token_advantages(torch.tensor([math.nan, 1.0]), torch.tensor([0.0, math.nan]),
+                                     torch.ones(2, 2), torch.full((2, 2), 1e4), 1.0)
+    assert out.tolist() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("plugin_cls, params", [(PPO, PPOParams), (ReinforcePP, ReinforcePPParams)])
+def test_ppo_and_reinforce_pp_kl_clamp(plugin_cls, params):
+    # one row, k1 d = [0.5, 0.5], clamp 0.2 -> KL_t = [0.2, 0.2]; token rewards r = [-0.1 * 0.2, 1 - 0.1 * 0.2]
+    batch = rollout_batch([1.0], [[-0.5, -0.5]], [[-1.0, -1.0]], [[1, 1]], group=1)
+    plugin = plugin_cls(params(kl_coef=0.1, kl_clamp=0.2))
+    if plugin_cls is PPO:
+        rewards = plugin.token_level_rewards(torch.tensor([1.0]), batch, batch.loss_mask)
+        assert rewards[0].tolist() == pytest.approx([-0.02, 0.98], abs=1e-7)
+        assert batch.metrics["ppo/kl"] == pytest.approx(0.2)
+    else:
+        plugin.trl_ext_compute_advantages(rewards=torch.tensor([1.0]), batch=batch)
+        assert batch.metrics["reinforce_pp/kl"] == pytest.approx(0.2)
+
+
+def test_kl_only_in_reward_hooks_for_rloo_and_remax():
+    trainer = type("T", (), {})()
+    for plugin in (RLOO(RLOOParams(kl_coef=0.05)), ReMax(ReMaxParams(kl_coef=0.05))):
+        assert plugin.trl_ext_configure_args(trainer="grpo", args={}) == {"beta": 1.0}  # the reference is computed
+        assert plugin.trl_ext_configure_args(trainer="grpo", args={"beta": 0.04}) is None  # the recipe's beta kept
+        trainer.kl_term = ops.KLTerm("k3", bias_correction=True)
+        plugin.trl_ext_trainer_created(trainer=trainer)
+        assert trainer.kl_term.weight(1.0) == 0.0  # ... and no loss KL term
+    for plugin in (RLOO(), ReMax(), RLOO(RLOOParams(kl_coef=0.05, kl_in_loss=True))):  # defaults / both KL forms
+        assert plugin.trl_ext_configure_args(trainer="grpo", args={}) is None
+        trainer.kl_term = ops.KLTerm("k3", bias_correction=True)
+        plugin.trl_ext_trainer_created(trainer=trainer)
+        assert trainer.kl_term.weight(0.04) == 0.04
+
+
+@pytest.fixture
+def catalog(trl_ext_catalog, register_plugin):
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    for cls in (ExactMatch, RLOO, ReMax):
+        register_plugin(cls)
+    return trl_ext_catalog
+
+
+def _stage(plugin, params, **args):
+    return StageSpec(trainer="grpo", model="embedded:tiny-qwen2", dataset="embedded:arithmetic",
+                     plugins=[{"name": plugin, "params": params}, "exact_match"],
+                     args={"num_generations": 2, "per_device_train_batch_size": 2, **args})
+
+
+@pytest.mark.parametrize("plugin", ["rloo", "remax"])
+def test_reward_kl_gets_the_reference_at_validation(catalog, plugin):
+    resolved = resolve_stage(_stage(plugin, {"kl_coef": 0.05}), 0, catalog)
+    assert resolved.args["beta"] == 1.0
+    assert resolve_stage(_stage(plugin, {}), 0, catalog).args.get("beta", 0.0) == 0.0  # default unchanged
+    with pytest.raises(RecipeError, match="needs 'reference'"):  # KL in the loss too, but no args.beta for it
+        resolve_stage(_stage(plugin, {"kl_coef": 0.05, "kl_in_loss": True}), 0, catalog)
+
+
+def test_rloo_kl_parity_with_trl_rloo_trainer(tiny_trainer):
+    """TRL's RLOOTrainer with beta 0.05 and the rloo plugin with kl_coef 0.05 give the same advantages from the same
+    completions (policy moved away from the reference so the KL is not zero)."""
+    trainer = tiny_trainer("rloo", args={"beta": 0.05})
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.05)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.25, 2.0, 0.5, math.nan, 1.0])
+    trainer._calculate_rewards = lambda *a, **k: rewards.unsqueeze(1).clone()
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(8)])
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    width = out["completion_ids"].size(1)
+    with torch.no_grad():
+        old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, width)
+        ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attention, width)
+    mask = out["completion_mask"].float()
+    assert (torch.where(mask.bool(), old - ref, 0.0)).abs().sum() > 0
+    batch = rollout_batch(rewards, old, ref, mask, group=4)
+    ours = RLOO(RLOOParams(kl_coef=0.05)).trl_ext_compute_advantages(rewards=rewards, batch=batch)
+    assert torch.allclose(ours, out["advantages"].float(), atol=1e-5)
+    without_kl = RLOO().trl_ext_compute_advantages(rewards=rewards, batch=batch)
+    assert not torch.allclose(without_kl, out["advantages"].float(), atol=1e-5)  # the KL term is what matches
+
+
+def test_rloo_with_kl_only_in_reward_trains(tiny_trainer):
+    plugin = RLOO(RLOOParams(kl_coef=0.05))
+    trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1})
+    assert trainer.args.beta == 1.0 and trainer.kl_term.weight(trainer.args.beta) == 0.0
+    result = trainer.train()
+    assert math.isfinite(result.training_loss)
