@@ -206,3 +206,44 @@ def test_rloo_with_kl_only_in_reward_trains(tiny_trainer):
     assert trainer.args.beta == 1.0 and trainer.kl_term.weight(trainer.args.beta) == 0.0
     result = trainer.train()
     assert math.isfinite(result.training_loss)
+
+
+# -- 2. PPO value-loss coefficient (value clipping and critic_lr existed) ---------------------------------------------
+
+# V = [1, 2], V_old = [0.5, 2.5], R = [2, 1], eps_v 0.2: unclipped (V - R)^2 = [1, 1]; clipped V = [0.7, 2.3] ->
+# (V_c - R)^2 = [1.69, 1.69] = the max on both tokens; mean 1.69.
+V, V_OLD, R = [[1.0, 2.0]], [[0.5, 2.5]], [[2.0, 1.0]]
+
+
+@pytest.mark.parametrize("clip, coef, expected", [
+    (0.2, 0.5, 0.5 * 1.69), (0.2, 0.05, 0.05 * 1.69), (None, 1.0, 1.0), (None, 0.05, 0.05),
+])
+def test_value_loss_coefficient_by_hand(clip, coef, expected):
+    t = lambda x: torch.tensor(x, dtype=D)  # noqa: E731
+    assert adv.clipped_value_loss(t(V), t(V_OLD), t(R), t([[1.0, 1.0]]), clip, coef).item() == pytest.approx(expected)
+
+
+def test_ppo_critic_step_uses_the_value_loss_coefficient():
+    from types import SimpleNamespace
+
+    class Critic(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = torch.nn.Parameter(torch.tensor(V))
+
+        def forward(self, rows):
+            return self.v.expand(rows.shape[0], -1)
+
+    trainer = SimpleNamespace(args=SimpleNamespace(seed=0), state=SimpleNamespace(global_step=0),
+                              accelerator=SimpleNamespace(num_processes=1))
+    plugin = PPO(PPOParams(value_loss_coef=0.05, value_clip=None, critic_max_grad_norm=None))
+    plugin.critic = Critic()
+    plugin.critic_optimizer = torch.optim.AdamW(plugin.critic.parameters(), lr=1e-3, weight_decay=0.0)
+    grads = []
+    plugin.critic.v.register_hook(lambda g: grads.append(g.clone()))
+    loss = plugin.update_critic((torch.zeros(1, 2),), torch.tensor(V_OLD), torch.tensor(R), torch.ones(1, 2),
+                                SimpleNamespace(trainer=trainer))
+    # 0.05 * mean (V - R)^2 = 0.05; d/dV_t = 0.05 * 2 (V_t - R_t) / 2 = [-0.05, 0.05]
+    assert loss == pytest.approx(0.05)
+    assert grads[0].tolist() == [pytest.approx([-0.05, 0.05])]
+    assert PPOParams().value_loss_coef == 0.5  # default unchanged

@@ -287,15 +287,17 @@ def torch_distributed_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip: float | None = None) -> torch.Tensor:
-    """``0.5 * mean_t max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)`` over valid tokens (verl/OpenRLHF
-    convention: factor 1/2, token mean of this batch). ``clip=None``: the plain ``0.5 * (V - R)^2``."""
-    mask = mask.to(values.dtype)
+                       clip: float | None = None, coef: float = 0.5) -> torch.Tensor:
+    """``coef * mean_t max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)`` over valid tokens (default
+    ``coef`` 0.5: verl/OpenRLHF's factor 1/2; token mean of this batch). ``clip=None``: the plain
+    ``coef * (V - R)^2``. Tokens off the mask are left out with ``where``."""
+    valid = mask.bool()
     loss = (values - returns) ** 2
     if clip is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         loss = torch.maximum(loss, (clipped - returns) ** 2)
-    return 0.5 * (loss * mask).sum() / mask.sum().clamp(min=1.0)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return coef * loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -42,6 +42,10 @@ class PPOParams(RewardKLParams):
                                      "only the critic learns: the policy's advantages are 0, so it gets no gradient.")
     value_clip: float | None = Field(0.5, gt=0.0, description="epsilon_v of the clipped value loss "
                                      "max((V-R)^2, (clip(V, V_old +- eps_v) - R)^2) (OpenRLHF/verl 0.5; None: off).")
+    value_loss_coef: float = Field(0.5, gt=0.0, description="c_v in the critic loss c_v * mean_t max((V-R)^2, ...): "
+                                   "0.5 (verl, OpenRLHF); TRL's PPOTrainer optimises 0.5 * vf_coef (0.1) = 0.05 of it "
+                                   "together with the policy. The critic has its own AdamW, so c_v changes its update "
+                                   "only through the gradient-norm clip and Adam's epsilon.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of GAE (RLHF: 1).")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda of the policy's advantages.")
     lam_critic: float | None = Field(None, ge=0.0, le=1.0, description="GAE lambda of the critic's targets "
@@ -74,11 +78,13 @@ class PPO(Plugin):
     0; the policy gets the ``(B, T)`` advantages (whitened over the global batch by default) and the GRPO trainer's
     clipped objective (``args.epsilon``, ``loss_type``). The critic, a separate module with its own AdamW optimizer,
     is then trained on the same rollout *before* the policy steps (verl's order) on targets ``R_t = A_t + V_t`` (with
-    ``lam_critic``), loss ``0.5 * mean_t max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2)``; with several ranks its
+    ``lam_critic``), loss ``c_v * mean_t max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2)``; with several ranks its
     gradients are averaged across them. During ``critic_warmup_steps`` only the critic learns (advantages are 0; with
     AdamW and weight decay 0 the policy does not move).
 
-    Defaults: gamma 1, lam 0.95, value_clip 0.5 (OpenRLHF/verl), kl_coef 0.01 k1 (OpenRLHF), critic lr 1e-5 (verl),
+    Defaults: gamma 1, lam 0.95, value_clip 0.5 (OpenRLHF/verl; null: unclipped), value_loss_coef c_v 0.5 (verl,
+    OpenRLHF; TRL PPOTrainer's shared loss uses 0.5 * vf_coef 0.1), kl_coef 0.01 k1 (OpenRLHF), critic_lr 1e-5 (verl;
+    the critic's own optimizer, independent of the policy's learning_rate),
     one critic step per rollout, critic = value head on a copy of the policy trunk (head ~ N(0, 1/(H+1)), seeded).
     Conventions: the value of token ``t`` is read at the position predicting it; unscorable rows count as reward 0;
     the reference log-probs exist only when ``args.beta != 0``, which by default also adds TRL's k3 KL *loss* term;
@@ -194,7 +200,8 @@ class PPO(Plugin):
             order = torch.randperm(rows, generator=generator).to(mask.device)
             for chunk in order.chunk(p.critic_mini_batches):
                 values = self.critic(*(t[chunk] for t in critic_inputs)).float()
-                loss = clipped_value_loss(values, old_values[chunk], returns[chunk], mask[chunk], p.value_clip)
+                loss = clipped_value_loss(values, old_values[chunk], returns[chunk], mask[chunk], p.value_clip,
+                                          p.value_loss_coef)
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self._sync_gradients(trainer)
