@@ -247,3 +247,55 @@ def test_ppo_critic_step_uses_the_value_loss_coefficient():
     assert loss == pytest.approx(0.05)
     assert grads[0].tolist() == [pytest.approx([-0.05, 0.05])]
     assert PPOParams().value_loss_coef == 0.5  # default unchanged
+
+
+# -- 3. M2PO restricted to the tokens the PPO clip leaves active ------------------------------------------------------
+
+
+def m2po_inputs(theta, old, advantage):
+    from trl_ext.batches import LossInputs
+
+    theta = torch.tensor([theta], dtype=D)
+    mask = torch.ones_like(theta)
+    return LossInputs(
+        num_items_in_batch=mask.sum(), grad_accum_steps=1, steps_per_generation=1, num_processes=1, training=True,
+        loss_type="dapo", max_completion_length=theta.size(1), per_token_logps=theta.requires_grad_(True),
+        old_per_token_logps=torch.tensor([old], dtype=D), advantages=torch.tensor([[advantage]], dtype=D), mask=mask,
+        sampling_per_token_logps=torch.zeros_like(mask), ref_per_token_logps=None, entropies=None, epsilon_low=0.2,
+        epsilon_high=0.28, beta=0.0)
+
+
+# log r vs the rollout (log-probs 0) = theta = [0.5, 0.3, -0.3, 0] -> (log r)^2 = [0.25, 0.09, 0.09, 0], tau 0.04.
+# all: means after removing the largest k: k=0 0.1075, k=1 0.06, k=2 0.045, k=3 0 -> tokens 0, 1, 2 masked.
+# ppo_active with pi_old = [0, 0.3, -0.3, 0]: token 0's PPO ratio is e^0.5 = 1.65 > 1.28 with A = +1, so the clip
+# removes its gradient: it is neither counted nor masked. Active (log r)^2 = [0.09, 0.09, 0]: k=0 0.06, k=1 0.045,
+# k=2 0 -> tokens 1, 2 masked. With A = -1 token 0 is active (r > 1 - 0.2): the same masking as all.
+THETA, OLD_M2 = [0.5, 0.3, -0.3, 0.0], [0.0, 0.3, -0.3, 0.0]
+
+
+@pytest.mark.parametrize("scope, advantage, keep", [
+    ("all", 1.0, [False, False, False, True]),
+    ("ppo_active", 1.0, [True, False, False, True]),
+    ("ppo_active", -1.0, [False, False, False, True]),
+])
+def test_m2po_scope_by_hand(scope, advantage, keep):
+    from trl_ext_plugins.corrections.m2po import M2PO, M2POParams
+
+    li = m2po_inputs(THETA, OLD_M2, advantage)
+    weights = M2PO(M2POParams(scope=scope)).trl_ext_token_weights(inputs=li)
+    assert weights.mask.tolist() == [keep]
+    second_moment = {("all", 1.0): 0.1075, ("ppo_active", 1.0): 0.06, ("ppo_active", -1.0): 0.1075}[scope, advantage]
+    assert li.metrics["m2po/second_moment"] == pytest.approx(second_moment)
+
+
+def test_ppo_clip_active_by_hand():
+    from trl_ext_plugins.corrections import math as cm
+
+    # r = [1.3, 1.27, 0.79, 0.81, 2.0] with eps (0.2, 0.28)
+    log_r = torch.log(torch.tensor([[1.3, 1.27, 0.79, 0.81, 2.0]], dtype=D))
+    positive = cm.ppo_clip_active(log_r, torch.tensor([[1.0]], dtype=D), 0.2, 0.28)
+    negative = cm.ppo_clip_active(log_r, torch.tensor([[-1.0]], dtype=D), 0.2, 0.28)
+    zero = cm.ppo_clip_active(log_r, torch.tensor([[0.0]], dtype=D), 0.2, 0.28)
+    assert positive.tolist() == [[False, True, True, True, False]]  # A > 0: clipped above 1.28
+    assert negative.tolist() == [[True, True, False, True, True]]  # A < 0: clipped below 0.8
+    assert zero.all()

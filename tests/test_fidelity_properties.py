@@ -26,7 +26,7 @@ from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline, Rei
 from trl_ext_plugins.advantages.reinforce_pp import ReinforcePP, ReinforcePPBaseline, ReinforcePPParams
 from trl_ext_plugins.advantages.rloo import RLOO, RLOOParams
 from trl_ext_plugins.corrections.icepop import IcePop
-from trl_ext_plugins.corrections.m2po import M2PO
+from trl_ext_plugins.corrections.m2po import M2PO, M2POParams
 from trl_ext_plugins.corrections.mis import MIS, MISParams
 from trl_ext_plugins.corrections.rollout_ratio import RolloutRatio
 from trl_ext_plugins.corrections.tis import TIS, TISParams
@@ -55,7 +55,8 @@ SETTINGS = settings(max_examples=int(__import__("os").environ.get("FIDELITY_EXAM
 OBJECTIVES = [None, GRPO(), DrGRPO(), DAPO(), GSPO(), GSPO(GSPOParams(form="token")), GMPO(), SAPO(), CISPO(), CEGPPO(),
               CEGPPO(CEGPPOParams(dual_clip=None)), ClipHigher(), REINFORCE(), RolloutRatio()]
 CORRECTIONS = [None, TIS(), TIS(TISParams(level="sequence")), MIS(), MIS(MISParams(level="sequence")),
-               MIS(MISParams(level="geometric")), MIS(MISParams(drop_from_denominator=True)), IcePop(), M2PO()]
+               MIS(MISParams(level="geometric")), MIS(MISParams(drop_from_denominator=True)), IcePop(), M2PO(),
+               M2PO(M2POParams(scope="ppo_active"))]
 AGGREGATION_PLUGINS = [None] + [Aggregation(AggregationParams(mode=m)) for m in AGGREGATIONS]
 
 LOGPS = st.sampled_from([0.0, -0.0, -1e-9, -1e-3, -0.7, -1.0, -5.0, -20.0, -21.0, -50.0, -100.0, -1e4])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, hookimpl
@@ -11,6 +13,11 @@ from trl_ext_plugins.corrections import math
 
 class M2POParams(PluginParams):
     threshold: float = Field(0.04, gt=0, description="tau_M2: largest allowed mean of (log r)^2 over kept tokens.")
+    scope: Literal["all", "ppo_active"] = Field(
+        "all", description="Tokens the second moment is taken over and masked among. all: every loss token (the "
+        "paper, AReaL). ppo_active: only the tokens the PPO clip leaves active (ratio pi_theta/pi_old inside the "
+        "clip on the side of the advantage's sign, args.epsilon/epsilon_high); clipped tokens, whose gradient the clip "
+        "already removes, are never masked and do not count in M2.")
 
 
 class M2PO(Plugin):
@@ -23,6 +30,10 @@ class M2PO(Plugin):
     Conventions: the second moment is taken per micro-batch on this rank, not over the global batch; the paper's
     objective ``M * r * A`` without PPO clipping is obtained with an objective such as ``cispo`` or ``grpo`` with a wide
     clip (AReaL ``eps_clip: 0``), since this plugin only masks.
+    ``scope`` (default ``all``, the paper's): ``ppo_active`` restricts both the statistic and the masking to the tokens
+    the PPO clip leaves active (not ``A > 0, r > 1 + eps_high`` nor ``A < 0, r < 1 - eps_low``, ``r = pi_theta /
+    pi_old``; issue 10's variant for clipped objectives): the M2 budget is then spent only on tokens that still move
+    the policy.
     """
 
     name = "m2po"
@@ -36,9 +47,14 @@ class M2PO(Plugin):
         if behaviour is None:
             behaviour = inputs.old_per_token_logps
         log_ratio = (inputs.per_token_logps.detach() - behaviour).nan_to_num(nan=0.0) * inputs.mask
-        keep = math.m2_keep_mask(log_ratio, inputs.mask, self.params.threshold)
         valid = inputs.mask.bool()
+        scope = valid
+        if self.params.scope == "ppo_active":
+            scope = valid & math.ppo_clip_active(inputs.log_ratio, inputs.advantages, inputs.epsilon_low,
+                                                 inputs.epsilon_high)
+        keep = math.m2_keep_mask(log_ratio, scope.to(inputs.mask.dtype), self.params.threshold) | (valid & ~scope)
+        if bool(scope.any()):
+            inputs.metrics[f"{self.name}/second_moment"] = (log_ratio[scope] ** 2).mean().item()
         if bool(valid.any()):
-            inputs.metrics[f"{self.name}/second_moment"] = (log_ratio[valid] ** 2).mean().item()
             inputs.metrics[f"{self.name}/changed_fraction"] = (~keep)[valid].float().mean().item()
         return TokenWeights(mask=keep)

@@ -9,6 +9,8 @@ space with the +-20 clamp of :func:`trl_ext.ops.safe_ratio`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trl_ext import ops
@@ -66,6 +68,17 @@ def m2_keep_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) 
     keep = torch.ones_like(squared, dtype=torch.bool)
     keep[order[:k]] = False
     return keep.view_as(mask) & valid
+
+
+def ppo_clip_active(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """Tokens whose PPO-clip term ``min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` still has a gradient (bool,
+    broadcast to ``log_ratio``): all but ``A > 0, r > 1 + eps_high`` and ``A < 0, r < 1 - eps_low``, where the clipped
+    branch is the minimum and is constant in theta. ``r = exp(log_ratio)`` is compared in log space (no overflow)."""
+    log_ratio = log_ratio.detach()
+    high = log_ratio > math.log1p(eps_high)
+    low = log_ratio < (math.log1p(-eps_low) if eps_low < 1 else -math.inf)
+    clipped = ((advantages > 0) & high) | ((advantages < 0) & low)
+    return ~clipped.expand_as(log_ratio)
 
 
 def mismatch_stats(log_rho: torch.Tensor, weight: torch.Tensor, changed: torch.Tensor,
