@@ -1,8 +1,8 @@
 """Two CPU processes (gloo) under each backend train exactly what one process trains on the same global batch.
 
 A recipe's ``distributed:`` section makes ``trl-ext train`` start torchrun itself (trl_ext/launch.py). For DDP, FSDP2 and
-DeepSpeed ZeRO-2/3, SFT and DPO run one optimizer step on 2 processes x 4 rows and on 1 process x 8 rows from the same
-seed; the logged loss must agree to 1e-5 (relative) and every weight to 1e-6 (absolute). The step is plain SGD at lr
+DeepSpeed ZeRO-2/3, SFT, DPO and GRPO (dapo + tis, on fixed completions: tests/fixed_rollouts_cli.py) run one
+optimizer step on 2 processes x 4 rows and on 1 process x 8 rows from the same seed; the logged loss must agree to 1e-5 (relative) and every weight to 1e-6 (absolute). The step is plain SGD at lr
 0.1, so a weight moves by lr x its gradient (up to ~1e-2 here) and a weight difference is lr x the gradient difference:
 a wrong reduction of the loss or the gradient (a missing 1/world_size, one rank's tokens counted twice) shows at the
 size of the step itself. (Adam would amplify float rounding in near-zero gradients to ~lr, hiding nothing but making
@@ -27,11 +27,18 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is an extra: pip install 'trl-ext[deepspeed]' "
                                                                "(.ci/run installs it for this file)")
 GLOBAL_BATCH = 8
+FIXED_ROLLOUTS = Path(__file__).resolve().parent / "fixed_rollouts_cli.py"  # trl-ext's CLI + a deterministic rollout
 STAGES = {
     "sft": {"dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 64},
             "plugins": ["sft"], "args": {"max_length": 32}},
     "dpo": {"dataset": {"source": "embedded:arithmetic", "params": {"format": "preference"}, "limit": 64},
             "plugins": ["dpo"], "args": {"max_length": 32, "beta": 0.1}},
+    # GRPO family with a correction: dapo's token-level loss, TIS on the sampling log-probs, and fixed completions in
+    # place of sampling (tests/fixed_rollouts_cli.py), groups of 4 never split across the 2 ranks.
+    "grpo": {"dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 64},
+             "plugins": ["dapo", "tis", "fixed_rollouts",
+                         {"python_reward": {"functions": f"{FIXED_ROLLOUTS}:completion_length"}}],
+             "args": {"num_generations": 4, "max_completion_length": 8}},
 }
 
 
@@ -95,10 +102,21 @@ def _write_recipe(path: Path, trainer: str, per_device: int, distributed: dict |
     return path
 
 
+def _command(trainer: str, distributed: dict | None) -> list[str]:
+    """SFT and DPO: ``trl-ext train`` (which starts the processes itself). GRPO: the CLI with the fixed-rollouts
+    plugin, under torchrun started here (the recipe's ``distributed:`` section still selects the backend)."""
+    if trainer != "grpo":
+        return [sys.executable, "-m", "trl_ext.cli"]
+    if not distributed:
+        return [sys.executable, str(FIXED_ROLLOUTS)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(distributed["num_processes"]),
+            "--master_port", "29613", str(FIXED_ROLLOUTS)]
+
+
 def _train(tmp_path: Path, trainer: str, per_device: int, distributed: dict | None = None):
     out = tmp_path / "out"
     recipe = _write_recipe(tmp_path / "recipe.yaml", trainer, per_device, distributed)
-    result = subprocess.run([sys.executable, "-m", "trl_ext.cli", "train", str(recipe), "--output-dir", str(out)],
+    result = subprocess.run([*_command(trainer, distributed), "train", str(recipe), "--output-dir", str(out)],
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("trl-ext run summary") == 1  # one main process, not two independent trainings
@@ -128,7 +146,7 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", pytest.param("zero2", marks=NEEDS_DEEPSPEED),
                                      pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
 def test_two_processes_equal_one(tmp_path, one_process, backend, trainer):

@@ -9,6 +9,7 @@ Output directory layout::
     DIR/<stage>/stage.json       written last: marks the stage complete, with the fingerprint it was run with
     DIR/<stage>/started.json     written first: the fingerprint an unfinished stage was started with
     DIR/<stage>/checkpoints/     TRL/HF checkpoints; an interrupted stage resumes from the newest complete one
+    DIR/<stage>/tensorboard/     TensorBoard event files (args.report_to: tensorboard); see trl_ext/tracking.py
     DIR/_embedded/<name>/        embedded models materialized for this run
     DIR/curves.png               loss and reward curves of all stages
     DIR/.trl-ext.lock            PID and host of the run using DIR (one run per output directory)
@@ -411,9 +412,12 @@ def prune_checkpoints(stage_dir: Path, echo: Callable[[str], None]) -> None:
     if checkpoints.is_dir():
         if doomed.exists():
             shutil.rmtree(doomed)
+        saved = any(checkpoints.glob("checkpoint-*"))
         os.replace(checkpoints, doomed)
         crash_point("prune_checkpoints")
-        echo(f"[trl-ext] stage {stage_dir.name!r}: removed its training checkpoints (keep_checkpoints: true keeps them)")
+        if saved:
+            echo(f"[trl-ext] stage {stage_dir.name!r}: removed its training checkpoints (keep_checkpoints: true keeps "
+                 "them)")
     if doomed.exists():
         shutil.rmtree(doomed)
 
@@ -507,6 +511,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
 
     from trl_ext.callbacks import CheckpointCompletionCallback, MetricsJsonlCallback
     from trl_ext.rewards import collect_reward_functions
+    from trl_ext.tracking import StageReporting, heldout_logs, stage_run_name, tensorboard_dir, tensorboard_logging_dir
     from trl_ext.trainers import BuildContext
 
     state = PartialState()
@@ -526,6 +531,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     eval_dataset = load_split(spec.eval_dataset, ctx.catalog, spec, "eval", rs.host) if spec.eval_dataset else None
 
     args = dict(rs.args)
+    args.setdefault("run_name", stage_run_name(ctx.output_dir, spec.name))  # one tracker run per stage: <run>/<stage>
     rewards = collect_reward_functions(rs.host, spec) if rs.kind.uses_rewards else []
     if rewards and "reward_weights" not in args:
         args["reward_weights"] = [r.weight for r in rewards]
@@ -549,7 +555,9 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
         reward_funcs=[r.as_trl_callable() for r in rewards],
         reward_weights=[r.weight for r in rewards],
     )
-    trainer = rs.kind.build(build)
+    with tensorboard_logging_dir(tensorboard_dir(ctx.output_dir, spec.name)):
+        trainer = rs.kind.build(build)
+    reporting = StageReporting(trainer).hold()  # report_to backends stay open for the held-out results
     rs.host.hook.trl_ext_trainer_created(trainer=trainer)
 
     evaluation = _load_eval(stage_dir)
@@ -577,6 +585,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     if spec.evaluation is not None:
         evaluation["after"] = evaluate_stage(trainer, tokenizer, spec, ctx, rs)
         summary["eval"] = evaluation
+    reporting.finish(heldout_logs(evaluation))
     summary["last_logged"] = _last_logged(metrics_path)
     summary["seconds"] = round(time.time() - started, 1)
     if state.is_main_process:
