@@ -35,6 +35,8 @@ def trl_ext_register_plugins(register):
 
 @hookimpl
 def trl_ext_register_datasets(register):
+    from trl_ext_plugins.rewards.instructions import instruction_arithmetic
     from trl_ext_plugins.rewards.steps import multistep_arithmetic
 
     register("multistep_arithmetic", multistep_arithmetic)
+    register("instruction_arithmetic", instruction_arithmetic)
