@@ -299,3 +299,66 @@ def test_ppo_clip_active_by_hand():
     assert positive.tolist() == [[False, True, True, True, False]]  # A > 0: clipped above 1.28
     assert negative.tolist() == [[True, True, False, True, True]]  # A < 0: clipped below 0.8
     assert zero.all()
+
+
+# -- 4. dynamic sampling with a generation round size different from the target batch ----------------------------------
+
+G4 = 4
+
+
+def odd_answer_varies(completions, answer, **kwargs):
+    """Zero variance for an even answer; completion-dependent (almost surely varying) for an odd one."""
+    return [0.0 if int(a) % 2 == 0 else float(sum(map(ord, c)) % 97) for c, a in zip(completions, answer)]
+
+
+@pytest.mark.parametrize("round_prompts, rounds, prompts", [
+    # target 2 prompts; the loader's 2 (even) prompts carry no signal. Each refill draws only odd prompts.
+    (None, 2, 2 + 2),  # verl default: rounds of the target size; round 2's 2 groups fill the batch
+    (4, 1, 4),  # larger rounds: round 1 is completed to 4 by 2 drawn prompts, which supply both groups
+    (5, 1, 5),  # round 1 completed to 5: 3 drawn groups with signal, the first 2 used, 1 surplus discarded
+    (1, 3, 2 + 1 + 1),  # smaller rounds: 2 refills of 1 prompt
+    (3, 2, 3 + 3),  # round 1 completed to 3 (1 drawn prompt), round 2 of 3 supplies the second group
+])
+def test_dynamic_sampling_round_size_by_hand(tiny_trainer, round_prompts, rounds, prompts):
+    import numpy as np
+
+    from trl_ext.embedded.arithmetic import arithmetic_dataset
+    from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling
+
+    full = arithmetic_dataset("train", format="prompt", size=64)
+    odd = full.filter(lambda row: int(row["answer"]) % 2 == 1)
+    even = full.filter(lambda row: int(row["answer"]) % 2 == 0)
+    plugin = DynamicSampling(DynamicSampling.Params(max_rounds=5, round_prompts=round_prompts))
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=odd, reward_funcs=[odd_answer_varies],
+                           args={"per_device_train_batch_size": 2 * G4, "num_generations": G4, "temperature": 1.0})
+    trainer.model.train()
+    torch.manual_seed(0)
+    output = trainer._generate_and_score_completions([even[i] for i in (0, 1) for _ in range(G4)])
+    record = plugin.history[-1]
+    assert record["dynamic_sampling/rounds"] == rounds and record["dynamic_sampling/prompts"] == prompts
+    assert record["dynamic_sampling/kept_groups_fraction"] == 1.0
+    assert output["completion_ids"].shape[0] == 2 * G4  # the target batch, whatever the round size
+    # the kept groups are the drawn prompts in draw order: generation k (k = 0 for the completion of round 1, then
+    # 1, 2, ...) draws from numpy's generator seeded (seed 0, step 0, k), as the plugin documents
+    draws = []
+    size = round_prompts or 2
+    if size > 2:
+        draws += np.random.default_rng([0, 0, 0]).choice(len(odd), size=size - 2, replace=False).tolist()
+    for k in range(1, rounds):
+        index = k + (size > 2)
+        draws += np.random.default_rng([0, 0, index]).choice(len(odd), size=size, replace=False).tolist()
+    texts = trainer.processing_class.batch_decode(output["prompt_ids"], skip_special_tokens=True)
+    sums = [sum(int(x) for x in t.strip().rstrip("=").split("+")) for t in texts]
+    assert sums == [int(odd[draws[0]]["answer"])] * G4 + [int(odd[draws[1]]["answer"])] * G4
+
+
+def test_dynamic_sampling_round_size_must_divide_over_processes():
+    from types import SimpleNamespace
+
+    from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling
+
+    trainer = SimpleNamespace(train_dataset=[{"prompt": "p"}] * 8, num_generations=2, args=SimpleNamespace(seed=0),
+                              _step=0, accelerator=SimpleNamespace(num_processes=4, process_index=0))
+    with pytest.raises(ValueError, match="3 prompts x 2 samples does not divide over 4 processes"):
+        DynamicSampling()._new_rows(trainer, [{"prompt": "p"}] * 2, 1, 3)
+    assert len(DynamicSampling()._new_rows(trainer, [{"prompt": "p"}] * 2, 1, 6)) == 3  # 6 x 2 / 4 rows per rank

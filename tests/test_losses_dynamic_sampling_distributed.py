@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 WORKER = textwrap.dedent('''
     import json, os, sys
     import torch
@@ -23,7 +25,8 @@ WORKER = textwrap.dedent('''
         return [0.0 if int(a) % 2 == 0 else float(sum(map(ord, c)) % 97) for c, a in zip(completions, answer)]
 
     model_dir, out_dir = sys.argv[1], sys.argv[2]
-    plugin = DynamicSampling(DynamicSampling.Params(max_rounds=20))
+    round_prompts = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    plugin = DynamicSampling(DynamicSampling.Params(max_rounds=20, round_prompts=round_prompts))
     # 6 rows per rank, groups of 4: the second group of each generation batch spans both ranks
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=4,
                       max_steps=2, bf16=False, use_cpu=True, report_to="none", gradient_checkpointing=False,
@@ -65,7 +68,8 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def test_ranks_stay_in_sync_and_hold_only_groups_with_variance(tmp_path):
+@pytest.mark.parametrize("round_prompts", [None, 4])  # rounds of the target's 3 prompts, or of 4 (8 rows per rank)
+def test_ranks_stay_in_sync_and_hold_only_groups_with_variance(tmp_path, round_prompts):
     from trl_ext.embedded.models import materialize_model
 
     model_dir = materialize_model("tiny-qwen2", tmp_path / "model", seed=0)
@@ -74,16 +78,19 @@ def test_ranks_stay_in_sync_and_hold_only_groups_with_variance(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script),
-                           str(model_dir), str(tmp_path / "out")],
+                           str(model_dir), str(tmp_path / "out"), *([str(round_prompts)] if round_prompts else [])],
                           capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = json.loads([line for line in done.stdout.splitlines() if line.startswith("[")][-1])
 
     assert all(r["backend"] == "gloo" and r["step"] == 2 for r in ranks)
     assert ranks[0]["history"] == ranks[1]["history"] and len(ranks[0]["history"]) == 2  # same rounds everywhere
-    assert any(h["dynamic_sampling/rounds"] > 1 for h in ranks[0]["history"]), ranks[0]["history"]  # refills ran
+    # refills ran; with round_prompts 4 every batch merges the loader's 3 prompts with 1 drawn one (2 rows per rank:
+    # that group spans both ranks), whether or not more rounds were needed
+    assert round_prompts or any(h["dynamic_sampling/rounds"] > 1 for h in ranks[0]["history"]), ranks[0]["history"]
     for h in ranks[0]["history"]:
-        assert h["dynamic_sampling/prompts"] == 3 * h["dynamic_sampling/rounds"] and h["dynamic_sampling/cap_hit"] == 0
+        size = round_prompts or 3  # every round, the first one completed to its size, has `size` prompts
+        assert h["dynamic_sampling/prompts"] == size * h["dynamic_sampling/rounds"] and h["dynamic_sampling/cap_hit"] == 0
     for step in range(2):
         local = [r["seen"][step] for r in ranks]
         assert [len(part["sums"]) for part in local] == [6, 6]  # batch size unchanged on every rank

@@ -19,6 +19,11 @@ class DynamicSamplingParams(PluginParams):
                                                   "included (verl filter_groups.max_num_gen_batches; DAPO's recipe: "
                                                   "10). 1 = filter only. When reached, the batch is completed with "
                                                   "dropped groups, masked out.")
+    round_prompts: int | None = Field(None, ge=1, description="Prompts per generation round over all ranks (verl "
+                                      "data.gen_batch_size; DAPO's recipe: 3x the train batch); the target stays the "
+                                      "trainer's generation batch (verl train_batch_size). null: the generation "
+                                      "batch's own prompt count. round_prompts * num_generations must divide evenly "
+                                      "over the processes.")
     metric: str | None = Field(None, description="Reward function whose within-group variance decides (a reward "
                                                  "name of the stage, e.g. exact_match, as DAPO filters on accuracy); "
                                                  "null: the weighted total reward the advantages use.")
@@ -39,10 +44,14 @@ class DynamicSampling(Plugin):
       they leave every token-count denominator (ALGORITHMS.md convention 8: masking, not zero-weighting). Another
       plugin's filter ANDs with it, and refilling continues until enough groups pass all filters (a group counts if
       any of its samples is kept). Filtering and refilling apply in training only;
-    * a refill round has the size of the original generation batch (verl's ``gen_batch_size`` equal to the train
-      batch); surplus groups of the last round are discarded, as verl does. Advantages are computed per round (group
-      normalisation is within a group, so the merge does not change them; with ``scale_rewards: batch`` the batch std
-      is the round's);
+    * the target is the trainer's generation batch (verl's ``train_batch_size``); a round has ``round_prompts``
+      prompts (verl's ``gen_batch_size``), by default the target's own size (verl's default, equal sizes). The first
+      round is the data loader's batch; with ``round_prompts`` larger than the target it is completed to
+      ``round_prompts`` by one extra generation of drawn prompts (so every round has ``round_prompts`` prompts, as in
+      verl); with a smaller one only the refill rounds are smaller (the loader's batch is never cut). Surplus groups of
+      the last round are discarded, as verl does. Advantages are computed per generation (group normalisation is
+      within a group, so the merge does not change them; with ``scale_rewards: batch`` the batch std is that
+      generation's);
     * new prompts are drawn from the trainer's ``train_dataset`` (a map-style dataset), uniformly without replacement
       within a round, from a generator seeded by ``(args.seed, trainer micro-step, round)``: the same prompts on every
       rank, reproducible, independent of the data loader's position (refill prompts may repeat prompts seen elsewhere);
@@ -93,13 +102,21 @@ class DynamicSampling(Plugin):
         if rounds[0][1] is None:  # no filter answered (cannot happen in training): nothing to refill
             return rounds[0][0]
         needed = rounds[0][1].numel() // G
+        size = self.params.round_prompts or needed
         signal = [group_has_signal(rounds[0][1], G)]
-        while sum(int(s.sum()) for s in signal) < needed and len(rounds) < self.params.max_rounds:
-            rounds.append(score(self._new_rows(trainer, inputs, len(rounds))))
+        prompts = needed
+        if size > needed:  # the first round is the loader's batch plus drawn prompts up to round_prompts
+            rounds.append(score(self._new_rows(trainer, inputs, 0, size - needed)))
             signal.append(group_has_signal(rounds[-1][1], G))
+            prompts = size
+        round_count = 1
+        while sum(int(s.sum()) for s in signal) < needed and round_count < self.params.max_rounds:
+            rounds.append(score(self._new_rows(trainer, inputs, len(rounds), size)))
+            signal.append(group_has_signal(rounds[-1][1], G))
+            round_count, prompts = round_count + 1, prompts + size
         chosen = select_groups(signal, needed)
         kept = sum(int(signal[r][g]) for r, g in chosen)
-        record = {"dynamic_sampling/rounds": len(rounds), "dynamic_sampling/prompts": len(rounds) * needed,
+        record = {"dynamic_sampling/rounds": round_count, "dynamic_sampling/prompts": prompts,
                   "dynamic_sampling/kept_groups_fraction": kept / needed,
                   "dynamic_sampling/cap_hit": float(kept < needed)}
         self.history.append(record)
@@ -108,20 +125,25 @@ class DynamicSampling(Plugin):
             return rounds[0][0]
         return merge_rounds(trainer, [output for output, _ in rounds], chosen, G, len(inputs))
 
-    def _new_rows(self, trainer, inputs, round_index):
-        """This rank's slice of a fresh generation batch: prompts drawn identically on every rank, each repeated G
-        times, laid out as TRL's sampler shards a generation batch (rank r holds global rows [r*B, (r+1)*B))."""
+    def _new_rows(self, trainer, inputs, round_index, n_prompts=None):
+        """This rank's slice of a fresh generation of ``n_prompts`` prompts (default: as many as the generation batch)
+        drawn identically on every rank, each repeated G times, laid out as TRL's sampler shards a generation batch
+        (rank r holds global rows [r*b, (r+1)*b), b = n_prompts * G / processes)."""
         dataset = trainer.train_dataset
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise RuntimeError(f"plugin {self.name!r} refills from a map-style train dataset (not an iterable one)")
         G, acc = trainer.num_generations, trainer.accelerator
-        n_prompts = len(inputs) * acc.num_processes // G
+        n_prompts = len(inputs) * acc.num_processes // G if n_prompts is None else n_prompts
+        if (n_prompts * G) % acc.num_processes:
+            raise ValueError(f"plugin {self.name!r}: a generation of {n_prompts} prompts x {G} samples does not divide "
+                             f"over {acc.num_processes} processes; choose params.round_prompts so that it does")
+        per_rank = n_prompts * G // acc.num_processes
         rng = np.random.default_rng([int(trainer.args.seed), int(trainer._step), round_index])
         picks = rng.choice(len(dataset), size=n_prompts, replace=n_prompts > len(dataset)).tolist()
         columns = list(inputs[0])  # the columns the data loader delivered
         rows = [{key: row[key] for key in columns} for row in (dataset[i] for i in picks) for _ in range(G)]
-        start = acc.process_index * len(inputs)
-        return rows[start:start + len(inputs)]
+        start = acc.process_index * per_rank
+        return rows[start:start + per_rank]
 
 
 def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], num_generations: int,
@@ -138,9 +160,7 @@ def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], nu
     for output in outputs[1:]:
         if sorted(output) != keys:
             raise RuntimeError(f"dynamic_sampling: rounds returned different keys ({keys} vs {sorted(output)})")
-    n_global = local_size * acc.num_processes
-    rows = torch.tensor([r * n_global + g * num_generations + j for r, g in chosen for j in range(num_generations)])
-    mine = rows[acc.process_index * local_size:(acc.process_index + 1) * local_size]
+    mine = None
     merged = {}
     for key in keys:
         if key in RECOMPUTED:
@@ -150,6 +170,12 @@ def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], nu
                                f"supported)")
         left, value = key in LEFT_PADDED, pad_id if key in TOKEN_IDS else 0
         parts = [_gather_rows(acc, o[key], left, value) for o in outputs]
+        if mine is None:  # rounds may differ in size: each round's rows start after the previous rounds' rows
+            starts = [0]
+            for part in parts[:-1]:
+                starts.append(starts[-1] + part.size(0))
+            rows = torch.tensor([starts[r] + g * num_generations + j for r, g in chosen for j in range(num_generations)])
+            mine = rows[acc.process_index * local_size:(acc.process_index + 1) * local_size]
         if parts[0].dim() >= 2:
             width = max(p.size(1) for p in parts)
             parts = [_pad_width(p, width, left, value) for p in parts]
