@@ -63,8 +63,8 @@ def recording_tensorboard(monkeypatch):
 def _stage(name, **args):
     return {"name": name, "trainer": "sft", "model": "embedded:tiny-qwen2", "plugins": ["sft"],
             "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 16},
-            "evaluation": {"dataset": {"source": "embedded:arithmetic", "split": "test", "params": {"format": "prompt"}},
-                           "reward": "exact_match", "limit": 8},
+            "evaluation": {"reward": "exact_match", "limit": 8, "dataset": {
+                "source": "embedded:arithmetic", "split": "test", "params": {"format": "prompt"}}},
             "args": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 32, "logging_steps": 1,
                      "save_strategy": "no", "report_to": "tensorboard", **args}}
 

@@ -66,7 +66,8 @@ def integration_callbacks(trainer) -> list:
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     kinds = tuple(INTEGRATION_TO_CALLBACK.values())
-    return [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, kinds)]
+    handler = getattr(trainer, "callback_handler", None)  # trainers that train nothing (merge stages) have none
+    return [callback for callback in getattr(handler, "callbacks", []) if isinstance(callback, kinds)]
 
 
 class StageReporting:
@@ -92,10 +93,14 @@ class StageReporting:
         return self
 
     def finish(self, logs: dict[str, float]) -> None:
+        if not self.callbacks:
+            return
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
         trainer = self.trainer
         args, state, control = trainer.args, trainer.state, trainer.control
         for callback in self.callbacks:
-            if logs:
+            if logs and state.is_world_process_zero:
                 callback.on_log(args, state, control, logs=dict(logs), model=trainer.model)
             calls = self.held.pop(id(callback), [])
             vars(callback).pop("on_train_end", None)  # the class's method again
@@ -103,9 +108,10 @@ class StageReporting:
             # opened a run, which is ended here all the same.
             for call_args, call_kwargs in calls or [((args, state, control), {"model": trainer.model})]:
                 callback.on_train_end(*call_args, **call_kwargs)
-            wandb = getattr(callback, "_wandb", None) if type(callback).__name__ == "WandbCallback" else None
-            if wandb is not None and state.is_world_process_zero and getattr(wandb, "run", None) is not None:
-                wandb.finish()
+            if isinstance(callback, INTEGRATION_TO_CALLBACK["wandb"]) and state.is_world_process_zero:
+                wandb = getattr(callback, "_wandb", None)
+                if wandb is not None and getattr(wandb, "run", None) is not None:
+                    wandb.finish()
 
 
 def _recorder(calls: list) -> Callable[..., None]:
