@@ -362,3 +362,118 @@ def test_dynamic_sampling_round_size_must_divide_over_processes():
     with pytest.raises(ValueError, match="3 prompts x 2 samples does not divide over 4 processes"):
         DynamicSampling()._new_rows(trainer, [{"prompt": "p"}] * 2, 1, 3)
     assert len(DynamicSampling()._new_rows(trainer, [{"prompt": "p"}] * 2, 1, 6)) == 3  # 6 x 2 / 4 rows per rank
+
+
+# -- 5. reward shaping conventions -------------------------------------------------------------------------------------
+
+
+def f64(*values):
+    return torch.tensor(values, dtype=D)
+
+
+@pytest.mark.parametrize("cap, factor, expected", [
+    # L_max 100, L_cache 20: 0 up to 80, (80 - L) / 20 * factor beyond, capped at -factor beyond L_max or not
+    (True, 1.0, [0.0, -0.5, -1.0, -1.0, -1.0]),  # DAPO paper
+    (False, 1.0, [0.0, -0.5, -1.0, -1.5, -2.5]),  # verl DAPORewardManager: min(-(L - 80) / 20, 0)
+    (True, 0.5, [0.0, -0.25, -0.5, -0.5, -0.5]),
+    (False, 0.5, [0.0, -0.25, -0.5, -0.75, -1.25]),
+])
+def test_dapo_overlong_penalty_capped_or_not(cap, factor, expected):
+    from trl_ext_plugins.rewards import formulas
+
+    got = formulas.dapo_overlong_penalty(f64(80, 90, 100, 110, 130), 100, 20, cap, factor)
+    assert got.tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("beyond, expected", [
+    # L_max 100; rows: correct L=150, correct L=200, wrong L=150, correct L=50 (inside: 1 + 0.5 (1 + cos(pi/2)) = 1.5)
+    ("exceed", [-10.0, -10.0, -10.0, 1.5]),  # the paper: r_exceed
+    ("clamp", [1.0, 1.0, 0.0, 1.5]),  # L clamped to L_max: r_L (correct 1, wrong 0)
+    # continued: correct 1 + 0.5 (1 + cos(1.5 pi)) = 1.5, 1 + 0.5 (1 + cos(2 pi)) = 2; wrong 0 - 5 (1 + 0) = -5
+    ("extend", [1.5, 2.0, -5.0, 1.5]),
+])
+def test_cosine_beyond_max_length(beyond, expected):
+    from trl_ext_plugins.rewards import formulas
+
+    got = formulas.cosine_length_reward(f64(150, 200, 150, 50), torch.tensor([1, 1, 0, 1]), 100, beyond=beyond)
+    assert got.tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_stop_penalties_by_hand():
+    from trl_ext_plugins.rewards import formulas
+
+    # budget 4; rows: cut at the limit (no EOS), ended at the limit on EOS, stopped early by a stop string (no EOS),
+    # empty; truncation -1, no stop -0.5
+    got = formulas.stop_penalties(f64(4, 4, 3, 0), torch.tensor([False, True, False, False]), 4, -1.0, -0.5)
+    assert got.tolist() == [-1.5, -1.0, -0.5, -0.5]
+
+
+def shaping_batch(trainer):
+    # 3 rows, weights [exact_match 1, length_shaping 2]; EOS id 2. Row 0: 4 tokens, no EOS, tokens 1-2 are a tool
+    # result (2 model tokens); row 1: 2 tokens ending on EOS; row 2: 3 tokens ending on EOS.
+    ids = torch.tensor([[5, 6, 7, 8], [5, 2, 0, 0], [5, 6, 2, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    return RolloutBatch(
+        rewards_per_func=torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]), reward_names=["exact_match",
+                                                                                            "length_shaping"],
+        reward_weights=torch.tensor([1.0, 2.0]), num_generations=3, process_slice=slice(0, 3), completion_ids=ids,
+        completion_mask=mask, completion_lengths=mask.sum(-1), prompts=["p"] * 3, completions=[""] * 3,
+        inputs=[{}] * 3, trainer=trainer, tool_mask=torch.tensor([[1, 0, 0, 1], [1, 1, 1, 1], [1, 1, 1, 1]]))
+
+
+@pytest.mark.parametrize("length_tokens, expected", [
+    # dapo, L_max 3, L_cache 2: 0 up to 1, (1 - L) / 2 beyond, -1 beyond 3. Stop penalties: only row 0 (length 4 =
+    # max_completion_length, last token 8 is no EOS): -1 - 0.5 = -1.5 on the total, -0.75 in the column (weight 2).
+    ("all", [-1.0 - 0.75, -0.5, -1.0]),  # lengths [4, 2, 3]
+    ("model", [-0.5 - 0.75, -0.5, -1.0]),  # lengths [2, 2, 3]: row 0's tool tokens do not count
+])
+def test_length_shaping_stop_penalties_and_tool_tokens(length_tokens, expected):
+    from types import SimpleNamespace
+
+    from trl_ext_plugins.rewards.length_shaping import LengthShaping, LengthShapingParams
+
+    trainer = SimpleNamespace(eos_token_ids=[2], args=SimpleNamespace(max_completion_length=4),
+                              state=SimpleNamespace(global_step=0))
+    batch = shaping_batch(trainer)
+    plugin = LengthShaping(LengthShapingParams(mode="dapo", max_length=3, cache_length=2, truncation_penalty=-1.0,
+                                               no_stop_penalty=-0.5, length_tokens=length_tokens))
+    out = plugin.trl_ext_shape_rewards(rewards_per_func=batch.rewards_per_func, batch=batch)
+    assert out[:, 1].tolist() == pytest.approx(expected)
+    assert out[:, 0].tolist() == [1.0, 0.0, 1.0]  # the correctness column is left as scored
+    # mode none: only the penalties; refused at validation without any
+    none = LengthShaping(LengthShapingParams(mode="none", no_stop_penalty=-0.5))
+    assert none.trl_ext_shape_rewards(rewards_per_func=batch.rewards_per_func, batch=batch)[:, 1].tolist() == \
+        [-0.25, 0.0, 0.0]
+    errors = LengthShaping(LengthShapingParams(mode="none")).trl_ext_validate_stage(stage=None, plugins=[])
+    assert errors and "mode: none" in errors[0]
+
+
+def test_reward_shaping_sees_the_tool_mask(tiny_trainer):
+    """TRL builds its tool mask only after scoring; the trainer hands the generation's tool mask to the reward-shaping
+    hooks (padded with 1, as TRL pads it)."""
+    from trl_ext import NoParams, Plugin, Slot, hookimpl
+
+    class FakeTools(Plugin):
+        """Marks each completion's first token as a tool token (test double)."""
+
+        name, family, slots, Params = "fake_tools", "rollout", frozenset({Slot.GENERATION}), NoParams
+        seen = []
+
+        @hookimpl
+        def trl_ext_generate(self, trainer, prompts, generate):
+            out = list(generate(prompts))
+            out[2] = [[0] + [1] * (len(ids) - 1) for ids in out[1]]
+            return tuple(out)
+
+        @hookimpl
+        def trl_ext_shape_rewards(self, rewards_per_func, batch):
+            self.seen.append((batch.tool_mask.clone(), batch.completion_mask.clone()))
+            return rewards_per_func
+
+    plugin = FakeTools()
+    trainer = tiny_trainer("grpo", plugins=[plugin])
+    trainer.model.train()
+    trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(8)])
+    tool_mask, mask = plugin.seen[-1]
+    assert (tool_mask[:, 0] == 0).all() and (tool_mask[:, 1:] == 1).all()
+    assert ((mask * tool_mask).sum(-1) == mask.sum(-1) - 1).all()

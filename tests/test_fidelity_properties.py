@@ -244,3 +244,22 @@ def test_preference_losses_are_finite(data, plugin, beta):
     assert torch.isfinite(loss), (plugin, loss)
     grads = torch.autograd.grad(loss, (chosen, rejected), allow_unused=True)
     assert all(g is None or torch.isfinite(g).all() for g in grads), (plugin, grads)
+
+
+# -- reward shaping ----------------------------------------------------------------------------------------------------
+
+LENGTHS = st.sampled_from([0.0, 1.0, 99.0, 100.0, 101.0, 1e6])
+
+
+@SETTINGS
+@given(lengths=st.lists(LENGTHS, min_size=1, max_size=6), cap=st.booleans(),
+       beyond=st.sampled_from(["exceed", "clamp", "extend"]), data=st.data())
+def test_length_shaping_formulas_are_finite(lengths, cap, beyond, data):
+    from trl_ext_plugins.rewards import formulas
+
+    x = torch.tensor(lengths, dtype=torch.float64)
+    flags = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths))))
+    for out in (formulas.dapo_overlong_penalty(x, 100, 20, cap, 0.5),
+                formulas.cosine_length_reward(x, flags, 100, beyond=beyond),
+                formulas.stop_penalties(x, flags, 100, -1.0, -0.5)):
+        assert torch.isfinite(out).all(), (lengths, out)

@@ -38,31 +38,62 @@ def cosine_length_reward(
     correct_range: tuple[float, float] = (2.0, 1.0),
     wrong_range: tuple[float, float] = (-10.0, 0.0),
     exceed_reward: float = -10.0,
+    beyond: str = "exceed",
 ) -> torch.Tensor:
     """Cosine length reward (Yeo et al., arXiv 2502.03373): R(L) = r_L + (r_0 - r_L)(1 + cos(pi L / L_max)) / 2.
 
     ``(r_0, r_L)`` is ``correct_range`` for correct samples (short correct answers earn more) and ``wrong_range`` for
-    wrong ones (longer thinking is penalised less); ``exceed_reward`` when L > L_max. This *is* the task reward (it
-    replaces the 1/0 correctness), not a bonus on top of it.
+    wrong ones (longer thinking is penalised less). This *is* the task reward (it replaces the 1/0 correctness), not a
+    bonus on top of it. ``beyond`` says what L > L_max gets: ``exceed`` (the paper: ``exceed_reward``), ``clamp``
+    (L clamped to L_max, so r_L: continuous at L_max), ``extend`` (the formula continued, cos is periodic: open-r1's
+    ``get_cosine_scaled_reward`` neither clamps nor penalises).
     """
+    if beyond not in COSINE_BEYOND:
+        raise ValueError(f"unknown cosine beyond-max rule {beyond!r}; choose one of {', '.join(COSINE_BEYOND)}")
     lengths = lengths.to(torch.float64)
     correct = correct.to(torch.bool)
     r0 = torch.where(correct, correct_range[0], wrong_range[0]).to(torch.float64)
     rl = torch.where(correct, correct_range[1], wrong_range[1]).to(torch.float64)
-    value = rl + 0.5 * (r0 - rl) * (1.0 + torch.cos(math.pi * lengths / max_length))
+    progress = lengths.clamp(max=max_length) if beyond == "clamp" else lengths
+    value = rl + 0.5 * (r0 - rl) * (1.0 + torch.cos(math.pi * progress / max_length))
+    if beyond != "exceed":
+        return value
     return torch.where(lengths > max_length, torch.full_like(value, exceed_reward), value)
 
 
-def dapo_overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) -> torch.Tensor:
+COSINE_BEYOND = ("exceed", "clamp", "extend")
+
+
+def dapo_overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int, cap: bool = True,
+                          factor: float = 1.0) -> torch.Tensor:
     """DAPO soft overlong punishment (arXiv 2503.14476), added to the +-1 correctness reward.
 
-    0 if |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache inside the buffer; -1 beyond L_max.
+    0 if |y| <= L_max - L_cache; ``factor * ((L_max - L_cache) - |y|) / L_cache`` beyond that; ``cap`` (the paper):
+    ``-factor`` beyond L_max; ``cap=False`` (verl's ``DAPORewardManager``, ``min(-exceed / L_cache * factor, 0)``):
+    the linear penalty continues below ``-factor``. ``factor``: verl ``overlong_buffer.penalty_factor`` (paper 1).
     """
     lengths = lengths.to(torch.float64)
     expected = max_length - cache_length
-    inside = (expected - lengths) / cache_length
+    inside = factor * (expected - lengths) / cache_length
     out = torch.where(lengths <= expected, torch.zeros_like(lengths), inside)
-    return torch.where(lengths > max_length, torch.full_like(lengths, -1.0), out)
+    if not cap:
+        return out
+    return torch.where(lengths > max_length, torch.full_like(lengths, -factor), out)
+
+
+def stop_penalties(lengths: torch.Tensor, stopped: torch.Tensor, max_length: int | None, truncation: float,
+                   no_stop: float) -> torch.Tensor:
+    """Fixed penalties for completions that did not end on their own: ``truncation`` when the completion used the
+    whole budget (``length >= max_length``, the generation limit cut it) and ``no_stop`` when its last token is not
+    an end-of-sequence token (TRL's ``mask_truncated_completions`` test, which also covers stop strings and tool-call
+    limits); a completion cut at the limit gets both. Values are added to the reward (pass negative numbers)."""
+    lengths = lengths.to(torch.float64)
+    out = torch.zeros_like(lengths)
+    if truncation and max_length is not None:
+        out = out + torch.where(lengths >= max_length, truncation, 0.0)
+    if no_stop:
+        out = out + torch.where(stopped.to(torch.bool), 0.0, no_stop)
+    return out
 
 
 def budget_reward(lengths: torch.Tensor, task_reward: torch.Tensor, b0: torch.Tensor, tau: float) -> torch.Tensor:

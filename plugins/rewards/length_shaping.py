@@ -14,9 +14,9 @@ from trl_ext_plugins.rewards import formulas
 
 
 class LengthShapingParams(PluginParams):
-    mode: Literal["kimi", "cosine", "dapo", "budget", "l1_exact", "l1_max"] = Field(
+    mode: Literal["kimi", "cosine", "dapo", "budget", "l1_exact", "l1_max", "none"] = Field(
         "kimi", description="shaping rule: kimi (group length reward), cosine (Yeo), dapo (soft overlong punishment), "
-        "budget (-1 beyond tau*b0), l1_exact / l1_max (LCPO target length)")
+        "budget (-1 beyond tau*b0), l1_exact / l1_max (LCPO target length), none (only the stop penalties)")
     weight: float = Field(1.0, description="weight of the length_shaping reward column (must be non-zero)")
     correctness_reward: str = Field(
         "math_verify", description="name of the reward column that says whether a sample is correct (kimi, cosine, "
@@ -28,7 +28,22 @@ class LengthShapingParams(PluginParams):
     cache_length: int = Field(4096, description="dapo: overlong buffer L_cache in tokens (DAPO 4096)")
     cosine_correct: tuple[float, float] = Field((2.0, 1.0), description="cosine: (r_0, r_L) for correct samples")
     cosine_wrong: tuple[float, float] = Field((-10.0, 0.0), description="cosine: (r_0, r_L) for wrong samples")
-    cosine_exceed: float = Field(-10.0, description="cosine: reward beyond L_max")
+    cosine_exceed: float = Field(-10.0, description="cosine: reward beyond L_max (cosine_beyond_max: exceed)")
+    cosine_beyond_max: Literal["exceed", "clamp", "extend"] = Field(
+        "exceed", description="cosine, L > L_max: exceed (the paper: cosine_exceed), clamp (L clamped to L_max: r_L), "
+        "extend (the formula continued; open-r1's get_cosine_scaled_reward)")
+    overlong_cap: bool = Field(True, description="dapo: true (the paper) caps the penalty at -factor beyond L_max; "
+                               "false continues it linearly (verl DAPORewardManager)")
+    overlong_penalty_factor: float = Field(1.0, gt=0.0, description="dapo: scale of the overlong penalty (verl "
+                                           "overlong_buffer.penalty_factor; paper 1)")
+    truncation_penalty: float = Field(0.0, description="added (any mode) to a completion that used the whole "
+                                      "args.max_completion_length (cut by the limit); 0: off")
+    no_stop_penalty: float = Field(0.0, description="added (any mode) to a completion whose last token is not an "
+                                   "end-of-sequence token (TRL's mask_truncated_completions test); 0: off")
+    length_tokens: Literal["all", "model"] = Field(
+        "all", description="tokens the shaping lengths count: all completion tokens (tool/observation tokens of a "
+        "multi-turn completion included; verl's response length) or model (only the model's own tokens, TRL's "
+        "completion-length metric)")
     tau: float = Field(1.0, description="budget: multiple of the reference length b0 allowed")
     budget_column: str = Field("b0", description="budget / l1_*: dataset column with the per-problem reference "
                                "(budget b0) or target (L1 n_gold) length in tokens")
@@ -65,28 +80,32 @@ def _kimi(c: ShapingContext) -> torch.Tensor:
 
 MODES: dict[str, Mode] = {
     "kimi": Mode(_kimi, replaces=False, needs_correctness=True),
-    "dapo": Mode(lambda c: formulas.dapo_overlong_penalty(c.lengths, c.params.max_length, c.params.cache_length),
+    "dapo": Mode(lambda c: formulas.dapo_overlong_penalty(c.lengths, c.params.max_length, c.params.cache_length,
+                                                          c.params.overlong_cap, c.params.overlong_penalty_factor),
                  replaces=False, needs_correctness=False),
     "cosine": Mode(lambda c: formulas.cosine_length_reward(
         c.lengths, c.correct, c.params.max_length, c.params.cosine_correct, c.params.cosine_wrong,
-        c.params.cosine_exceed), replaces=True, needs_correctness=True),
+        c.params.cosine_exceed, c.params.cosine_beyond_max), replaces=True, needs_correctness=True),
     "budget": Mode(lambda c: formulas.budget_reward(c.lengths, c.task, c.column(), c.params.tau),
                    replaces=True, needs_correctness=True),
     "l1_exact": Mode(lambda c: formulas.l1_exact_reward(c.lengths, c.correct, c.column(), c.params.l1_alpha),
                      replaces=True, needs_correctness=True),
     "l1_max": Mode(lambda c: formulas.l1_max_reward(c.lengths, c.correct, c.column(), c.params.l1_alpha,
                                                     c.params.l1_delta), replaces=True, needs_correctness=True),
+    "none": Mode(lambda c: torch.zeros_like(c.lengths), replaces=False, needs_correctness=False),
 }
 
 
 def shape_length_column(rewards_per_func: torch.Tensor, names: list[str], weights: torch.Tensor, own: str,
                         lengths: torch.Tensor, group_size: int, params: LengthShapingParams,
-                        column: Callable[[], torch.Tensor], step: int = 0) -> torch.Tensor:
+                        column: Callable[[], torch.Tensor], step: int = 0,
+                        penalties: torch.Tensor | None = None) -> torch.Tensor:
     """Fill column ``own`` of ``rewards_per_func`` with the shaping value (pure: returns a new tensor).
 
     Additive modes write their term. Replacing modes write (R - w_c * c) / w_own, so that the weighted total equals
     what the formula prescribes (R in place of the correctness contribution w_c * c) while the correctness column
-    itself, and its logged metric, stay untouched.
+    itself, and its logged metric, stay untouched. ``penalties`` ``(N,)`` (the stop penalties) add to the weighted
+    total in every mode (written as penalties / w_own).
     """
     mode = MODES[params.mode]
     out = rewards_per_func.clone()
@@ -107,6 +126,8 @@ def shape_length_column(rewards_per_func: torch.Tensor, names: list[str], weight
     value = mode.term(ctx)
     if mode.replaces:
         value = (value - ctx.task) / w_own
+    if penalties is not None:
+        value = value + penalties.to(torch.float64).cpu() / w_own
     out[:, own_idx] = value.to(out.dtype).to(out.device)
     return out
 
@@ -128,6 +149,18 @@ class LengthShaping(Plugin):
       contribution.
     * ``l1_exact`` / ``l1_max`` - LCPO (arXiv 2503.04697), target length from ``budget_column``; alpha 3e-4,
       delta 0.5; replace the correctness contribution.
+    * ``none`` - no length rule, only the stop penalties below.
+
+    Switches where papers and frameworks differ (defaults first): ``overlong_cap`` true (DAPO paper, -1 beyond L_max)
+    / false (verl ``DAPORewardManager``: the linear penalty continues), with ``overlong_penalty_factor`` 1 (verl's
+    ``penalty_factor``); ``cosine_beyond_max`` exceed (the paper's ``cosine_exceed``) / clamp (L clamped to L_max) /
+    extend (the cosine continued, open-r1); ``length_tokens`` all (every completion token, tool and observation tokens
+    of a multi-turn completion included, as verl's response length) / model (the model's own tokens only, as TRL's
+    completion-length metric). Stop penalties, in any mode and off by default: ``truncation_penalty`` is added when a
+    completion fills ``args.max_completion_length`` (full length, whatever ``length_tokens`` says) and
+    ``no_stop_penalty`` when its last token is not an EOS token (TRL's ``mask_truncated_completions`` test: also stop
+    strings, tool-call limits); a completion cut at the limit gets both. Each changes the weighted total reward by
+    exactly its value (written into the column divided by ``weight``).
 
     Conventions: the plugin contributes a reward function named ``length_shaping`` (weight ``weight``) that TRL scores
     as 0 and that ``trl_ext_shape_rewards`` then fills, so the shaping is logged as its own reward column. Lengths are
@@ -145,6 +178,8 @@ class LengthShaping(Plugin):
     def trl_ext_validate_stage(self, stage, plugins):
         if self.params.weight == 0:
             return ["length_shaping.weight must be non-zero (the shaping is carried by its own reward column)"]
+        if self.params.mode == "none" and not (self.params.truncation_penalty or self.params.no_stop_penalty):
+            return ["length_shaping.mode: none shapes nothing unless truncation_penalty or no_stop_penalty is set"]
         return None
 
     @hookimpl
@@ -162,7 +197,24 @@ class LengthShaping(Plugin):
             values = gather_object([float(row[self.params.budget_column]) for row in batch.inputs])
             return torch.tensor(values, dtype=torch.float64)
 
-        trainer = batch.trainer
+        p, trainer = self.params, batch.trainer
         step = int(trainer.state.global_step) if trainer is not None and hasattr(trainer, "state") else 0
+        lengths = batch.completion_lengths
+        if p.length_tokens == "model" and batch.tool_mask is not None:
+            model_tokens = (batch.completion_mask * batch.tool_mask).sum(-1)
+            lengths = torch.tensor(gather_object(model_tokens.tolist()), dtype=torch.float64)
+        penalties = None
+        if p.truncation_penalty or p.no_stop_penalty:
+            eos = getattr(trainer, "eos_token_ids", None) or [trainer.processing_class.eos_token_id]
+            stopped = torch.tensor(gather_object(ends_with(batch.completion_ids, batch.completion_mask, eos).tolist()))
+            penalties = formulas.stop_penalties(batch.completion_lengths, stopped, trainer.args.max_completion_length,
+                                                p.truncation_penalty, p.no_stop_penalty)
         return shape_length_column(rewards_per_func, batch.reward_names, batch.reward_weights, self.name,
-                                   batch.completion_lengths, batch.num_generations, self.params, column, step)
+                                   lengths, batch.num_generations, p, column, step, penalties)
+
+
+def ends_with(ids: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
+    """Bool ``(B,)``: whether each right-padded row's last valid token is one of ``tokens`` (an empty row: False)."""
+    count = mask.sum(-1).long()
+    last = ids.gather(-1, (count - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (count > 0) & torch.isin(last, torch.as_tensor(list(tokens), device=ids.device))

@@ -197,11 +197,15 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
 
     def _generate(self, prompts):
         if not self.plugin_host.implements("trl_ext_model_forward"):
-            return self._generate_with_plugins(prompts)
-        inputs = {"prompts": prompts}
-        with self._forward_contexts("generate", self.model, inputs):
-            inputs["output"] = self._generate_with_plugins(prompts)
-        return inputs["output"]
+            output = self._generate_with_plugins(prompts)
+        else:
+            inputs = {"prompts": prompts}
+            with self._forward_contexts("generate", self.model, inputs):
+                inputs["output"] = self._generate_with_plugins(prompts)
+            output = inputs["output"]
+        # TRL builds the tool mask only after scoring; keep its per-row lists so reward shaping sees tool tokens too
+        self._rollout_tool_mask = output[2]
+        return output
 
     def _generate_with_plugins(self, prompts):
         if not self.plugin_host.implements("trl_ext_generate"):
@@ -224,6 +228,12 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             ids[row, : len(seq)] = torch.as_tensor(seq, device=device)
             mask[row, : len(seq)] = 1
         lengths = gather(mask.sum(-1))
+        tool_mask = None
+        tool_rows = getattr(self, "_rollout_tool_mask", None)
+        if tool_rows is not None and len(tool_rows) == len(completion_ids_list):
+            tool_mask = torch.ones_like(ids)  # TRL pads the tool mask with 1
+            for row, values in enumerate(tool_rows):
+                tool_mask[row, : len(values)] = torch.as_tensor(values, device=device)
         rank = self.accelerator.process_index
         batch = RolloutBatch(
             rewards_per_func=rewards_per_func,
@@ -238,6 +248,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             completions=completions,
             inputs=inputs,
             trainer=self,
+            tool_mask=tool_mask,
         )
         rewards_per_func = self.plugin_host.call_pipeline("trl_ext_shape_rewards", rewards_per_func, batch=batch)
         batch.rewards_per_func = rewards_per_func
