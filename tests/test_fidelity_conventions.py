@@ -477,3 +477,43 @@ def test_reward_shaping_sees_the_tool_mask(tiny_trainer):
     tool_mask, mask = plugin.seen[-1]
     assert (tool_mask[:, 0] == 0).all() and (tool_mask[:, 1:] == 1).all()
     assert ((mask * tool_mask).sum(-1) == mask.sum(-1) - 1).all()
+
+
+def test_remax_token_kl_on_the_grpo_trainer(tiny_trainer, monkeypatch):
+    """ReMax with the KL in the token rewards on the real trainer: the greedy pass, the reference (args.beta set by
+    the plugin) and the sampling policy's log-probs give A_t = sum_{s >= t} (1[s = last] R - beta KL_s) - b."""
+    seen = {}
+    original = remax_module.greedy_rewards
+
+    def recording(trainer, prompts, inputs):
+        seen["baseline"] = original(trainer, prompts, inputs)
+        return seen["baseline"]
+
+    monkeypatch.setattr(remax_module, "greedy_rewards", recording)
+    values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+
+    def reward(completions, **kwargs):
+        return values[: len(completions)] if len(completions) == 8 else [0.5] * len(completions)
+
+    trainer = tiny_trainer("grpo", plugins=[ReMax(ReMaxParams(kl_coef=0.5))], reward_funcs=[reward])
+    assert trainer.args.beta == 1.0 and trainer.kl_term.weight(1.0) == 0.0
+    with torch.no_grad():  # move the policy away from the reference so the KL is not zero
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(1)) * 0.05)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(8)])
+    mask = out["completion_mask"].double()
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, torch.cat([out["prompt_mask"], out["completion_mask"]], 1), mask.shape[1])
+    d = torch.where(mask.bool(), logps.double() - out["ref_per_token_logps"].double(), 0.0)
+    assert d.abs().sum() > 0
+    expected = torch.zeros_like(d)
+    for row in range(8):
+        n = int(mask[row].sum())
+        r = -0.5 * d[row, :n]
+        r[-1] += values[row]
+        expected[row, :n] = torch.flip(torch.cumsum(torch.flip(r, [0]), 0), [0]) - seen["baseline"][row // 4].double()
+    assert out["advantages"].shape == mask.shape
+    assert torch.allclose(out["advantages"].double(), expected, atol=1e-4)
