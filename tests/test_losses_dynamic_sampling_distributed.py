@@ -68,7 +68,8 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("round_prompts", [None, 4])  # rounds of the target's 3 prompts, or of 4 (8 rows per rank)
+# rounds of the target's 3 prompts, or of 4 (8 rows per rank; a second 2-process run, so slow)
+@pytest.mark.parametrize("round_prompts", [None, pytest.param(4, marks=pytest.mark.slow)])
 def test_ranks_stay_in_sync_and_hold_only_groups_with_variance(tmp_path, round_prompts):
     from trl_ext.embedded.models import materialize_model
 
