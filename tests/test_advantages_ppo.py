@@ -358,3 +358,20 @@ def test_interrupted_ppo_resumes_critic_and_its_optimizer(tmp_path):
             torch.testing.assert_close(sa[i][name], sb[i][name], rtol=0, atol=1e-6)
     rows = [json.loads(line) for line in (resumed / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "ppo/value_loss" in r] == [1, 2, 3, 4]
+
+
+def test_rank_token_share_makes_the_mean_over_ranks_the_global_token_mean():
+    from types import SimpleNamespace
+
+    from trl_ext_plugins.advantages.ppo import rank_token_share
+
+    masks = [torch.tensor([[1, 1, 1, 0]]), torch.tensor([[1, 0, 0, 0]])]  # 3 tokens on rank 0, 1 on rank 1
+    losses = [torch.tensor(2.0), torch.tensor(6.0)]  # each rank's own token mean
+    total = sum(m.sum() for m in masks).float()
+
+    def trainer(world):
+        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=world, reduce=lambda t, reduction: total))
+
+    shared = [loss * rank_token_share(mask, trainer(2)) for loss, mask in zip(losses, masks)]
+    assert torch.stack(shared).mean().item() == pytest.approx((2.0 * 3 + 6.0 * 1) / 4)  # not (2 + 6) / 2
+    assert rank_token_share(masks[0], trainer(1)) == 1.0

@@ -1,12 +1,13 @@
 """Two CPU processes (gloo) under each backend train exactly what one process trains on the same global batch.
 
-A recipe's ``distributed:`` section makes ``trl-ext train`` start torchrun itself (trl_ext/launch.py). For DDP, FSDP2 and
-DeepSpeed ZeRO-2/3, SFT, DPO and GRPO (dapo + tis, on fixed completions: tests/fixed_rollouts_cli.py) run one
-optimizer step on 2 processes x 4 rows and on 1 process x 8 rows from the same seed; the logged loss must agree to 1e-5 (relative) and every weight to 1e-6 (absolute). The step is plain SGD at lr
+A recipe's ``distributed:`` section makes ``trl-ext train`` start torchrun itself (trl_ext/launch.py). For DDP,
+FSDP2 and DeepSpeed ZeRO-2/3, SFT, DPO, GRPO (dapo + tis) and PPO with its critic (both on fixed completions:
+tests/fixed_rollouts_cli.py) run one optimizer step on 2 processes x 4 rows and on 1 process x 8 rows from the same
+seed; the logged loss must agree to 1e-5 (relative) and every weight to 1e-6 (absolute). The step is plain SGD at lr
 0.1, so a weight moves by lr x its gradient (up to ~1e-2 here) and a weight difference is lr x the gradient difference:
 a wrong reduction of the loss or the gradient (a missing 1/world_size, one rank's tokens counted twice) shows at the
 size of the step itself. (Adam would amplify float rounding in near-zero gradients to ~lr, hiding nothing but making
-the tolerance meaningless.)
+the tolerance meaningless; the PPO critic keeps its AdamW, see the test.)
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ STAGES = {
              "plugins": ["dapo", "tis", "fixed_rollouts",
                          {"python_reward": {"functions": f"{FIXED_ROLLOUTS}:completion_length"}}],
              "args": {"num_generations": 4, "max_completion_length": 8}},
+    # PPO with its critic (a replicated module with its own AdamW; built from gathered shards under ZeRO-3).
+    "ppo": {"trainer": "grpo",
+            "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 64},
+            "plugins": [{"ppo": {"critic_lr": 0.01}}, "fixed_rollouts",
+                        {"python_reward": {"functions": f"{FIXED_ROLLOUTS}:completion_length"}}],
+            "args": {"num_generations": 4, "max_completion_length": 8, "beta": 0.001}},
 }
 
 
@@ -92,7 +99,7 @@ def test_zero_without_deepspeed_names_the_extra(tmp_path):
 
 def _write_recipe(path: Path, trainer: str, per_device: int, distributed: dict | None = None) -> Path:
     stage = STAGES[trainer]
-    recipe = {"seed": 0, "name": trainer, "trainer": trainer, "model": "embedded:tiny-qwen2",
+    recipe = {"seed": 0, "name": trainer, "trainer": stage.get("trainer", trainer), "model": "embedded:tiny-qwen2",
               "dataset": stage["dataset"], "plugins": stage["plugins"],
               "args": {"max_steps": 1, "per_device_train_batch_size": per_device, "learning_rate": 0.1, "optim": "sgd",
                        "logging_steps": 1, "save_strategy": "no", "gradient_checkpointing": False, **stage["args"]}}
@@ -105,7 +112,7 @@ def _write_recipe(path: Path, trainer: str, per_device: int, distributed: dict |
 def _command(trainer: str, distributed: dict | None) -> list[str]:
     """SFT and DPO: ``trl-ext train`` (which starts the processes itself). GRPO: the CLI with the fixed-rollouts
     plugin, under torchrun started here (the recipe's ``distributed:`` section still selects the backend)."""
-    if trainer != "grpo":
+    if trainer not in ("grpo", "ppo"):
         return [sys.executable, "-m", "trl_ext.cli"]
     if not distributed:
         return [sys.executable, str(FIXED_ROLLOUTS)]
@@ -121,8 +128,8 @@ def _train(tmp_path: Path, trainer: str, per_device: int, distributed: dict | No
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("trl-ext run summary") == 1  # one main process, not two independent trainings
     rows = [json.loads(line) for line in (out / trainer / "metrics.jsonl").read_text().splitlines()]
-    loss = next(row["loss"] for row in rows if "loss" in row)
-    return loss, _parameters(out / trainer)
+    logged = next(row for row in rows if "loss" in row)
+    return logged, _parameters(out / trainer)
 
 
 def _parameters(folder: Path) -> dict[str, torch.Tensor]:
@@ -136,24 +143,35 @@ def _parameters(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     cache: dict[str, tuple] = {}
+    folders: dict[str, Path] = {}
 
     def get(trainer: str):
         if trainer not in cache:
-            cache[trainer] = _train(tmp_path_factory.mktemp(f"one_{trainer}"), trainer, per_device=GLOBAL_BATCH)
+            folders[trainer] = tmp_path_factory.mktemp(f"one_{trainer}")
+            cache[trainer] = _train(folders[trainer], trainer, per_device=GLOBAL_BATCH)
         return cache[trainer]
 
+    get.folder = lambda trainer: folders[trainer] / "out"
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo", "ppo"])
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", pytest.param("zero2", marks=NEEDS_DEEPSPEED),
                                      pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
 def test_two_processes_equal_one(tmp_path, one_process, backend, trainer):
-    ref_loss, ref_weights = one_process(trainer)
-    loss, weights = _train(tmp_path, trainer, per_device=GLOBAL_BATCH // 2,
-                           distributed={"num_processes": 2, "backend": backend})
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    ref_logged, ref_weights = one_process(trainer)
+    logged, weights = _train(tmp_path, trainer, per_device=GLOBAL_BATCH // 2,
+                             distributed={"num_processes": 2, "backend": backend})
+    assert logged["loss"] == pytest.approx(ref_logged["loss"], rel=1e-5, abs=1e-6)  # PPO's first-step loss is ~1e-7
+    if trainer == "ppo":
+        # The critic's loss is the token mean over both ranks' tokens, as on one process (not a mean of rank means).
+        assert logged["ppo/value_loss"] == pytest.approx(ref_logged["ppo/value_loss"], rel=1e-5)
+        ref_critic = torch.load(one_process.folder("ppo") / "ppo" / "critic.pt", weights_only=True)["model"]
+        critic = torch.load(tmp_path / "out" / "ppo" / "critic.pt", weights_only=True)["model"]
+        # AdamW's first step moves each weight by about lr x sign(gradient) (1e-2 here): a gradient that differed
+        # would show at that size; float rounding flips only the signs of near-zero gradients.
+        assert max((critic[k] - ref_critic[k]).abs().max().item() for k in ref_critic) < 1e-3
     assert weights.keys() == ref_weights.keys()
     initial = _parameters(next((tmp_path / "out" / "_embedded").glob("*")))
     moved = max((ref_weights[k].float() - initial[k].float()).abs().max().item() for k in ref_weights)

@@ -48,10 +48,25 @@ def _trunk_of(model: nn.Module) -> nn.Module:
 
 
 def critic_from_policy(policy: nn.Module, seed: int = 0) -> ValueModel:
-    """A value model on a deep copy of the policy's trunk (same initial weights; trained separately)."""
-    trunk = copy.deepcopy(_trunk_of(policy))
-    trunk.requires_grad_(True)
-    return ValueModel(trunk, policy.config.hidden_size, seed)
+    """A value model on a copy of the policy's trunk (same initial weights; trained separately).
+
+    Under DeepSpeed ZeRO-3 each rank holds only shards of the policy's parameters: they are gathered (as TRL gathers
+    them for generation) into a trunk built by the class's own constructor, outside ZeRO-3's partitioned
+    initialisation, so the critic is an ordinary module, replicated on every rank like under DDP (its gradients are
+    averaged by the plugin)."""
+    trunk = _trunk_of(policy)
+    sharded = [p for p in trunk.parameters() if hasattr(p, "ds_id")]  # DeepSpeed's mark on a ZeRO-3 parameter
+    if sharded:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None):
+            state = {name: tensor.detach().clone() for name, tensor in trunk.state_dict().items()}
+        copied = type(trunk)(trunk.config)
+        copied.load_state_dict(state)
+    else:
+        copied = copy.deepcopy(trunk)
+    copied.requires_grad_(True)
+    return ValueModel(copied, policy.config.hidden_size, seed)
 
 
 def critic_from_path(path: str, seed: int = 0) -> ValueModel:

@@ -28,6 +28,17 @@ from trl_ext_plugins.advantages.rollout import (
 )
 
 
+def rank_token_share(mask: torch.Tensor, trainer) -> torch.Tensor | float:
+    """``world_size * local tokens / global tokens``: the factor that turns a rank's token-mean loss into its share of
+    the global token mean when the ranks' losses (or gradients) are then averaged. 1 on one process."""
+    world = trainer.accelerator.num_processes
+    if world == 1:
+        return 1.0
+    local = mask.sum().to(torch.float32)
+    total = trainer.accelerator.reduce(local.clone(), reduction="sum")
+    return torch.where(total > 0, world * local / total.clamp(min=1), torch.zeros_like(local))
+
+
 class PPOParams(RewardKLParams):
     critic: Literal["policy_copy", "path"] = Field(
         "policy_copy", description="policy_copy: a value head on a copy of the policy's trunk; path: a value model "
@@ -202,6 +213,9 @@ class PPO(Plugin):
                 values = self.critic(*(t[chunk] for t in critic_inputs)).float()
                 loss = clipped_value_loss(values, old_values[chunk], returns[chunk], mask[chunk], p.value_clip,
                                           p.value_loss_coef)
+                # The rank's token mean, weighted so that the mean over ranks (the gradient reduction below) is the
+                # token mean over every rank's tokens, as one process computes it on the same global batch.
+                loss = loss * rank_token_share(mask[chunk], trainer)
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self._sync_gradients(trainer)
@@ -217,6 +231,7 @@ class PPO(Plugin):
         return mean.item()
 
     def _sync_gradients(self, trainer) -> None:
+        """Mean of the ranks' gradients (each rank's loss carries its :func:`rank_token_share`)."""
         if trainer.accelerator.num_processes == 1:
             return
         for param in self.critic.parameters():
