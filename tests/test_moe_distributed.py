@@ -1,17 +1,23 @@
-"""routing_replay R3 on 2 CPU processes (gloo) under DDP and FSDP2 (slow): a recipe's ``distributed:`` section makes
-``trl-ext train`` start torchrun; every logged step replays the rollout routing exactly."""
+"""routing_replay R3 on 2 CPU processes (gloo) under DDP, FSDP2 and DeepSpeed ZeRO-3 (slow): a recipe's
+``distributed:`` section makes ``trl-ext train`` start torchrun; every logged step replays the rollout routing
+exactly."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
+NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is an extra: pip install 'trl-ext[deepspeed]' (.ci/run installs "
+                                            "it for the slow tests)")
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
 def test_r3_on_two_processes(tmp_path, backend):
     recipe = {
         "seed": 0, "name": "grpo", "trainer": "grpo", "model": "embedded:tiny-qwen3-moe",
