@@ -102,6 +102,9 @@ class PPO(Plugin):
     ``kl_in_loss: false`` keeps the KL in the reward only (InstructGPT's form: no loss term, and the plugin sets
     ``args.beta: 1.0`` itself when the recipe leaves it 0, only so TRL computes the reference); set ``kl_coef: 0`` to
     run without a reference.
+    On several processes the critic is replicated on every rank (built from gathered shards under ZeRO-3); each
+    rank's value loss is weighted by its share of the global tokens before the gradients are averaged, so the critic
+    step is the one a single process takes on the same global batch (tested under DDP, FSDP2, ZeRO-2 and ZeRO-3).
     The critic and its optimizer are saved as ``critic.pt`` in each checkpoint folder and restored on resume; the
     final critic is saved to ``<stage output>/critic.pt``. Logged: ``ppo/value_loss``, ``ppo/explained_variance``
     (critic before this rollout's update vs the targets), ``ppo/returns_mean``, ``ppo/advantages_mean``,
