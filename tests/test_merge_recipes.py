@@ -40,7 +40,7 @@ def test_conformance():
 
 
 def test_validation_names_the_field():
-    merge = {"name": "m", "trainer": "merge", "model": "embedded:tiny-qwen2", "dataset": PROMPTS}
+    merge = {"name": "m", "trainer": "merge", "model": "embedded:tiny-qwen2"}
     errors = _errors({"stages": [{**merge, "plugins": [{"checkpoint_average": {"mode": "weighted"}}]}]})
     assert "stages[0].plugins[0].params" in errors and "needs `weights`" in errors
     errors = _errors({"stages": [{**merge, "plugins": ["checkpoint_average"]}]})
@@ -54,6 +54,11 @@ def test_validation_names_the_field():
     assert check_stage(PluginHost([Warp()]), None, {}, "stages[0]") == []
     errors = _errors({"stages": [{**merge, "plugins": [{"warp": {"runs": ["stage:a"]}}]}]})
     assert "M >= 2" in errors
+    # a merge stage reads no dataset (one given would be ignored: refused); a training stage must have one
+    errors = _errors({"stages": [{**merge, "dataset": PROMPTS, "plugins": ["warp"]}]})
+    assert "stages[0].dataset: the merge trainer reads no dataset; remove it" in errors
+    errors = _errors({"stages": [{"name": "s", "trainer": "sft", "model": "embedded:tiny-qwen2", "plugins": ["sft"]}]})
+    assert "stages[0].dataset: the sft trainer trains on a dataset" in errors
     errors = _errors({"stages": [{**merge, "plugins": [{"warp": {"runs": ["a", "b", "c"], "slerp_t": 0.2}}]}]})
     assert "slerp_t applies to M = 2" in errors
     sft = {"name": "s", "trainer": "sft", "model": "embedded:tiny-qwen2", "dataset": "embedded:arithmetic"}
@@ -101,7 +106,7 @@ def test_merge_only_stage_through_the_runner(tmp_path):
     base = str(materialize_model("tiny-qwen2", tmp_path / "base", seed=0))
     a, b = _save_perturbed(base, tmp_path / "a", 1), _save_perturbed(base, tmp_path / "b", 2)
     recipe = parse_recipe({"seed": 0, "stages": [{
-        "name": "soup", "trainer": "merge", "model": base, "dataset": PROMPTS,
+        "name": "soup", "trainer": "merge", "model": base,
         "plugins": [{"checkpoint_average": {"sources": [a, b], "mode": "weighted", "weights": [1.0, 3.0]}}],
         "evaluation": {"dataset": {"source": "embedded:arithmetic", "split": "test", "params": {"format": "prompt"}},
                        "reward": "exact_match", "limit": 4}}]})
@@ -127,7 +132,7 @@ def test_warp_recipe_end_to_end(tmp_path):
     recipe = parse_recipe({"seed": 0, "keep_checkpoints": True, "stages": [  # the test reads the checkpoints
         {**rl, "name": "rl_a", "args": {**rl_args, "seed": 1}},
         {**rl, "name": "rl_b", "args": {**rl_args, "seed": 2}},
-        {"name": "warp", "trainer": "merge", "model": "embedded:tiny-qwen2", "dataset": PROMPTS,
+        {"name": "warp", "trainer": "merge", "model": "embedded:tiny-qwen2",
          "plugins": [{"warp": {"runs": ["stage:rl_a", "stage:rl_b"], "eta": 0.3}}]},
     ]})
     run = tmp_path / "run"

@@ -151,7 +151,7 @@ def test_checkpoint_average_merge_stage_of_named_stages(family, tmp_path):
     stage_dir = _merge_stage_dir(run, "soup", family["runs"][0])
     plugin = CheckpointAverage(CheckpointAverageParams(sources=["stage:rl_0", "stage:rl_1", "stage:rl_2"], mode="ema",
                                                        ema_decay=0.5, last_n=2))
-    stage = StageSpec(name="soup", trainer="merge", model="stage:rl_0", dataset="embedded:arithmetic")
+    stage = StageSpec(name="soup", trainer="merge", model="stage:rl_0")
     summary = plugin.trl_ext_after_stage(stage=stage, output_dir=str(stage_dir), trainer=_FakeTrainer())
     assert summary["checkpoint_average"]["weights"] == [0.5, 0.5]  # EMA of 2 with decay 0.5
     expected = average_state_dicts([_weights(s) for s in family["runs"][1:]])

@@ -100,7 +100,8 @@ class StageSpec(_Strict):
     model: str
     ref_model: str | None = None
     teacher: str | None = None
-    dataset: DatasetSpec
+    # Required by every trainer that reads data (checked with the trainer kind, trl_ext/stage.py); a merge stage has none.
+    dataset: DatasetSpec | None = None
     eval_dataset: DatasetSpec | None = None
     args: dict[str, Any] = Field(default_factory=dict)
     plugins: list[PluginSelection] = Field(default_factory=list)

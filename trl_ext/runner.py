@@ -527,7 +527,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    train_dataset = load_split(spec.dataset, ctx.catalog, spec, "train", rs.host)
+    train_dataset = load_split(spec.dataset, ctx.catalog, spec, "train", rs.host) if spec.dataset else None
     eval_dataset = load_split(spec.eval_dataset, ctx.catalog, spec, "eval", rs.host) if spec.eval_dataset else None
 
     args = dict(rs.args)

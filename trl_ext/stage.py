@@ -70,6 +70,11 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         raise RecipeError(f"{where}.trainer: unknown trainer {stage.trainer!r}.{hint} Available: {', '.join(TRAINER_KINDS)}")
     errors = check_args_fields(stage.args, kind.config_cls, where)
+    if stage.dataset is None and kind.reads_dataset:
+        errors.append(f"{where}.dataset: the {stage.trainer} trainer trains on a dataset; give one (e.g. "
+                      "`dataset: embedded:arithmetic`, a local file or a hub id)")
+    if stage.dataset is not None and not kind.reads_dataset:
+        errors.append(f"{where}.dataset: the {stage.trainer} trainer reads no dataset; remove it")
     if stage.ref_model and not kind.reads_ref_model:
         errors.append(f"{where}.ref_model: the {stage.trainer} trainer takes no separate reference model")
     if stage.teacher and not kind.reads_teacher and not any(Need.TEACHER in p.cls.needs for p in _infos(stage, catalog)):

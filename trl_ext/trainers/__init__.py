@@ -164,6 +164,7 @@ class TrainerKind:
     # Dataset columns the trainer reads: any one of these column sets must be present (checked for local files
     # before loading, when no plugin prepares the dataset); empty = not checked.
     columns: tuple[frozenset[str], ...] = ()
+    reads_dataset: bool = True  # False: the stage builds its model from other models (merge) and takes no `dataset:`
 
 
 def _teacher_caps(stage, args):
@@ -188,7 +189,8 @@ TRAINER_KINDS: dict[str, TrainerKind] = {
         TrainerKind("prm", PRMConfig, _build_prm, lambda s, a: set(),
                     columns=(frozenset({"prompt", "completions", "labels"}),)),
         TrainerKind("distillation", DistillationConfig, _build_distillation, _teacher_caps, reads_teacher=True),
-        TrainerKind("merge", MergeConfig, _build_merge, lambda s, a: set(), check=_check_merge),  # plugins merge
+        TrainerKind("merge", MergeConfig, _build_merge, lambda s, a: set(), check=_check_merge,
+                    reads_dataset=False),  # plugins merge
         TrainerKind("mtp", MtpConfig, _build_mtp, lambda s, a: set(), check=_check_mtp,
                     columns=(frozenset({"prompt", "completion"}), frozenset({"prompt_ids", "completion_ids"}))),
     ]

@@ -12,8 +12,8 @@ resumes by re-running), but it has no optimiser, data loader or checkpoints, so 
   without evaluation never loads a whole model (the runner's save step only inspects ``trainer.model``; the merge
   itself streams).
 
-The recipe schema requires a ``dataset`` on every stage; the runner loads it, and this trainer ignores it. Under
-several processes only the main process copies and merges; the others wait for it.
+A merge stage takes no ``dataset:`` (one is refused at validation). Under several processes only the main process
+copies and merges; the others wait for it.
 """
 
 from __future__ import annotations
