@@ -4,6 +4,7 @@ machinery (stages, metrics.jsonl, run.json, evaluation, plot) works end to end o
 import inspect
 import json
 
+import pytest
 import torch
 
 from trl_ext import Need, NoParams, Plugin, Slot, hookimpl, hookspecs
@@ -256,6 +257,37 @@ def test_peft_stage_saves_adapter_and_a_merged_model_the_next_stage_loads(tmp_pa
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
     assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # LoRA touched only its targets
     assert (tmp_path / "after" / "stage.json").exists()
+    summary = json.loads((tmp_path / "run.json").read_text())["stages"]
+    assert summary["lora"]["model"] == str(tmp_path / "lora")
+
+
+def test_a_lora_stage_no_later_stage_loads_saves_only_its_adapter_unless_asked(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    def recipe(**peft):
+        return parse_recipe({"seed": 0, "stages": [{
+            "name": "lora", "trainer": "sft", "model": "embedded:tiny-qwen2", "plugins": ["sft"],
+            "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 16},
+            "peft": {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], **peft},
+            "args": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 32}}]})
+
+    info = run_recipe(recipe(), tmp_path / "lean", _catalog(), echo=lambda _m: None)
+    stage = tmp_path / "lean" / "lora"
+    assert (stage / "adapter" / "adapter_model.safetensors").exists() and (stage / "stage.json").exists()
+    assert not (stage / "model.safetensors").exists()  # no merged copy: nothing asked for it
+    assert info["stages"]["lora"]["model"] == str(stage / "adapter")
+    from peft import AutoPeftModelForCausalLM
+
+    assert AutoPeftModelForCausalLM.from_pretrained(stage / "adapter") is not None  # the adapter loads on its base
+
+    run_recipe(recipe(save_merged=True), tmp_path / "merged", _catalog(), echo=lambda _m: None)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "lora") is not None
+
+    from trl_ext.errors import RecipeError
+    from trl_ext.runner import resolve_recipe
+
+    with pytest.raises(RecipeError, match="peft.save_merged: true or false"):
+        resolve_recipe(recipe(save_merged="yes"), _catalog())
 
 
 def test_checkpoints_are_pruned_once_the_stage_is_complete_unless_kept(tmp_path):

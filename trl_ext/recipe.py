@@ -67,7 +67,12 @@ class DatasetSpec(_Strict):
 
 
 class PeftSpec(BaseModel):
-    """A PEFT method and its fields, passed to TRL's ``peft_config`` (``type: lora`` with ``r``, ``lora_alpha`` ...)."""
+    """A PEFT method and its fields, passed to TRL's ``peft_config`` (``type: lora`` with ``r``, ``lora_alpha`` ...).
+
+    One field is trl-ext's own: ``save_merged`` (true/false). The stage always saves its adapter under
+    ``<stage>/adapter/``; a merged copy (base + adapter, a plain model at the top of the stage folder) is saved when
+    ``save_merged: true``, or, when the field is absent, only if a later stage of the recipe loads this one
+    (``stage:<name>``). It is read as an extra field so that recipes without it keep their fingerprints."""
 
     model_config = ConfigDict(extra="allow")
     type: str = "lora"
@@ -399,20 +404,20 @@ def _plugin_stage_ref_errors(stage: StageSpec, index: int, names: list[str], cat
             continue
     errors = []
     for plugin in plugins:
-        for path, ref in _string_leaves(plugin.params.model_dump(mode="json")):
+        for path, ref in string_leaves(plugin.params.model_dump(mode="json")):
             if ref.startswith(STAGE_PREFIX) and ref[len(STAGE_PREFIX):] not in names[:index]:
                 errors.append(f"stages[{index}].plugins[{positions.get(plugin.name, '?')}].params.{path}: {ref!r} does "
                               f"not name an earlier stage (earlier: {names[:index]}; plugin {plugin.name!r})")
     return errors
 
 
-def _string_leaves(value: Any, path: str = "") -> list[tuple[str, str]]:
+def string_leaves(value: Any, path: str = "") -> list[tuple[str, str]]:
     if isinstance(value, str):
         return [(path, value)]
     if isinstance(value, dict):
-        return [leaf for k, v in value.items() for leaf in _string_leaves(v, f"{path}.{k}" if path else str(k))]
+        return [leaf for k, v in value.items() for leaf in string_leaves(v, f"{path}.{k}" if path else str(k))]
     if isinstance(value, list):
-        return [leaf for i, v in enumerate(value) for leaf in _string_leaves(v, f"{path}[{i}]")]
+        return [leaf for i, v in enumerate(value) for leaf in string_leaves(v, f"{path}[{i}]")]
     return []
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from trl_ext.errors import OutputDirError, RecipeError
 from trl_ext.faults import crash_point
-from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, validate_recipe
+from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, string_leaves, validate_recipe
 from trl_ext.stage import ResolvedStage, build_peft_config, evaluation_reward_plugins, resolve_stage  # noqa: F401
 
 COMPLETE_MARKER = "stage.json"
@@ -575,9 +575,11 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
             ctx.echo(f"[trl-ext] stage {spec.name!r}: resuming from {resume_from}")
         result = trainer.train(resume_from_checkpoint=resume_from)
     crash_point("train_end")
-    save_stage_model(trainer, tokenizer, stage_dir, is_main=state.is_main_process)
+    merged = wants_merged_copy(spec, ctx.recipe)
+    save_stage_model(trainer, tokenizer, stage_dir, is_main=state.is_main_process, merged=merged)
 
     summary: dict[str, Any] = {"trainer": spec.trainer, "plugins": rs.host.names(),
+                               "model": str(stage_dir if merged else stage_dir / "adapter"),
                                "global_step": trainer.state.global_step,
                                "train_loss": getattr(result, "training_loss", None)}
     for extra in reversed(rs.host.pm.hook.trl_ext_after_stage.get_hookimpls()):
@@ -597,11 +599,24 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     return summary
 
 
-def save_stage_model(trainer, tokenizer, stage_dir: Path, is_main: bool) -> None:
+def wants_merged_copy(spec: StageSpec, recipe: Recipe) -> bool:
+    """A PEFT stage's merged copy is saved when ``peft.save_merged`` says so or, by default, when a later stage of the
+    recipe names this one (as its model, reference, teacher, or in a plugin parameter)."""
+    if spec.peft is None:
+        return True  # not a PEFT stage: the model is saved whole anyway
+    asked = getattr(spec.peft, "save_merged", None)
+    if asked is not None:
+        return asked
+    later = recipe.stages[[s.name for s in recipe.stages].index(spec.name) + 1:]
+    wanted = STAGE_PREFIX + spec.name
+    return any(value == wanted for stage in later for _path, value in string_leaves(stage.model_dump(mode="json")))
+
+
+def save_stage_model(trainer, tokenizer, stage_dir: Path, is_main: bool, merged: bool = True) -> None:
     """Save the stage's model as an ordinary Hugging Face folder that later stages can load by path.
 
-    A PEFT-trained model is saved twice: the adapter alone under ``adapter/`` (what TRL would save) and the adapter
-    merged into the base weights at the top, so ``stage:<name>`` is a plain model for the next stage.
+    A PEFT-trained model saves its adapter alone under ``adapter/`` (what TRL would save) and, when ``merged``, the
+    adapter merged into the base weights at the top, so ``stage:<name>`` is a plain model for the next stage.
 
     Written into a temporary folder first and then moved into place, file by file; an interruption anywhere leaves the
     stage without ``stage.json``, and the rerun resumes from the last step's checkpoint and saves again.
@@ -618,9 +633,10 @@ def save_stage_model(trainer, tokenizer, stage_dir: Path, is_main: bool) -> None
         trainer.save_model(str(tmp))
     elif is_main:
         model.save_pretrained(str(tmp / "adapter"))
-        import copy
+        if merged:
+            import copy
 
-        copy.deepcopy(model).merge_and_unload().save_pretrained(str(tmp))
+            copy.deepcopy(model).merge_and_unload().save_pretrained(str(tmp))
     if is_main:
         tokenizer.save_pretrained(str(tmp))
         crash_point("final_save")
@@ -714,6 +730,8 @@ def format_summary(run_info: dict[str, Any]) -> str:
         logged = ", ".join(f"{k}={v:.4g}" for k, v in summary.get("last_logged", {}).items())
         lines.append(f"{name:<12} {summary.get('trainer', ''):<12} steps={summary.get('global_step')} "
                      f"{logged}{eval_text} ({summary.get('seconds')} s)")
+        if summary.get("model"):
+            lines.append(f"{'':<12} model: {summary['model']}")
     if "plot" in run_info:
         lines.append(f"curves: {run_info['plot']}")
     return "\n".join(lines)

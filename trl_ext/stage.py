@@ -195,7 +195,9 @@ def build_peft_config(spec):
         return None
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    fields = spec.model_dump(exclude={"type"})
+    fields = spec.model_dump(exclude={"type", "save_merged"})
+    if not isinstance(getattr(spec, "save_merged", False), bool):
+        raise RecipeError(f"peft.save_merged: true or false (got {spec.save_merged!r})")
     config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(spec.type.upper())
     if config_cls is None:
         raise RecipeError(f"peft.type: unknown PEFT method {spec.type!r}; known: "
