@@ -268,6 +268,12 @@ def test_missing_columns_of_a_local_dataset(tmp_path, capsys, trainer, rows, fra
     assert_refused(code, err, "stages[0].dataset.source:", fragment)
 
 
+def test_misspelled_local_columns_get_a_did_you_mean(tmp_path, capsys):
+    data = {**BASE, "dataset": _local_dataset(tmp_path, [{"promt": "1+1=", "completion": "2"}])}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "stages[0].dataset.source:", "Did you mean: 'promt' for 'prompt'?")
+
+
 def test_local_dataset_with_the_right_columns_validates(tmp_path, capsys):
     csv_path = tmp_path / "data.csv"
     csv_path.write_text("prompt,completion\n1+1,2\n")

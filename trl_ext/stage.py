@@ -275,8 +275,16 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
         if columns is not None and not any(need <= columns for need in kind.columns):
             wanted = " or ".join(sorted("+".join(sorted(c)) for c in kind.columns))
             errors.append(f"{where}.{field_name}.source: {spec.source!r} has columns {sorted(columns)}; the "
-                          f"{stage.trainer} trainer reads {wanted}")
+                          f"{stage.trainer} trainer reads {wanted}{_column_hint(columns, kind.columns)}")
     return errors
+
+
+def _column_hint(columns: set[str], wanted: tuple[frozenset[str], ...]) -> str:
+    """`` Did you mean: 'promt' for 'prompt'?`` for the wanted column set closest to what the file has."""
+    closest = min(wanted, key=lambda need: (len(need - columns), -len(need & columns)))
+    pairs = [(found[0], missing) for missing in sorted(closest - columns)
+             if (found := difflib.get_close_matches(missing, sorted(columns), n=1, cutoff=0.6))]
+    return f". Did you mean: {', '.join(f'{a!r} for {b!r}' for a, b in pairs)}?" if pairs else ""
 
 
 def local_split_errors(path: Path, spec, where: str) -> list[str]:
