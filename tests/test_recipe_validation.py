@@ -268,6 +268,18 @@ def test_missing_columns_of_a_local_dataset(tmp_path, capsys, trainer, rows, fra
     assert_refused(code, err, "stages[0].dataset.source:", fragment)
 
 
+def test_deepspeed_or_vllm_args_without_the_package_name_the_extra(tmp_path, capsys, monkeypatch):
+    # Absent here whatever is installed: the check looks the module names up through this table.
+    monkeypatch.setattr("trl_ext.stage.ARG_PACKAGES", {
+        "deepspeed": ("trl_ext_absent_deepspeed", "DeepSpeed", "trl-ext[deepspeed]"),
+        "use_vllm": ("trl_ext_absent_vllm", "vLLM", "trl-ext[vllm]")})
+    data = {**BASE, "trainer": "grpo", "plugins": ["grpo", "exact_match"],
+            "args": {"max_steps": 1, "use_vllm": True, "deepspeed": {"zero_optimization": {"stage": 2}}}}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "stages[0].args.deepspeed: needs DeepSpeed: pip install 'trl-ext[deepspeed]'",
+                   "stages[0].args.use_vllm: needs vLLM: pip install 'trl-ext[vllm]'")
+
+
 def test_misspelled_local_columns_get_a_did_you_mean(tmp_path, capsys):
     data = {**BASE, "dataset": _local_dataset(tmp_path, [{"promt": "1+1=", "completion": "2"}])}
     code, _, err = cli(capsys, "validate", write(tmp_path, data))

@@ -21,6 +21,11 @@ from trl_ext.recipe import (EMBEDDED_PREFIX, STAGE_PREFIX, StageSpec, check_args
                             instantiate_plugins)
 from trl_ext.trainers import TRAINER_KINDS, TrainerKind
 
+# TRL arguments that need an optional package: the config class or the trainer fails without it, after the model
+# loaded (or with a packaging traceback); validation names the extra instead.
+ARG_PACKAGES = {"deepspeed": ("deepspeed", "DeepSpeed", "trl-ext[deepspeed]"),
+                "use_vllm": ("vllm", "vLLM", "trl-ext[vllm]")}
+
 NEED_HINTS = {
     Need.REFERENCE: "set `args.beta` to a non-zero value (GRPO/RLOO) or use a trainer with a reference model",
     Need.SAMPLING_LOGPROBS: "generate with vLLM (`args.use_vllm: true`) or select a plugin that records them",
@@ -111,6 +116,9 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
     errors += dataset_errors(stage, kind, host, catalog, where)
     if extra_args:
         args.update(extra_args)
+    errors += [f"{where}.args.{key}: needs {name}: pip install '{extra}'"
+               for key, (module, name, extra) in ARG_PACKAGES.items()
+               if args.get(key) and importlib.util.find_spec(module) is None]
     if not errors:
         try:
             with tempfile.TemporaryDirectory() as tmp:
