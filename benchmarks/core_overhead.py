@@ -1,8 +1,10 @@
-"""Benchmark: the same GRPO stage through plain TRL and through trl-ext with no plugins, in one process.
+"""Benchmark: the same GRPO stage through plain TRL and through trl-ext with no plugins, each run in a fresh process.
 
-Reports the step-time ratio and the peak-memory ratio (target <= 1.02). Runs alternate (TRL, trl-ext, TRL, ...) so
-machine noise hits both sides alike; step time is the median over steps after warm-up; peak memory is the highest
-resident set size sampled during each run, minus the RSS before it.
+Reports the step-time ratio and the peak-memory ratio (target <= 1.02). Every run (TRL or trl-ext) is its own Python
+process (``measure.run_variants``), so neither side inherits the other's allocator growth or warmed caches; the
+``--repeats`` runs per side interleave (TRL, trl-ext, trl-ext, TRL, ...) so machine noise hits both alike. In each run,
+step time is the median over the steps after two warm-up steps, and peak memory is the highest resident set size
+sampled during ``train()`` minus the RSS just before it; the figures reported are the medians over the runs.
 
     python benchmarks/core_overhead.py [--steps 20] [--repeats 3]
 """
@@ -10,33 +12,36 @@ resident set size sampled during each run, minus the RSS before it.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 
-import trl
-from transformers import AutoTokenizer, TrainerCallback
+from measure import PeakRSS, run_variants  # benchmarks/measure.py: `python benchmarks/X.py` puts it on sys.path
 
-from trl_ext.embedded.arithmetic import arithmetic_dataset, exact_match_reward
-from trl_ext.embedded.models import materialize_model
-from trl_ext.host import PluginHost
-from trl_ext.trainers.grpo import ExtGRPOTrainer
-from measure import PeakRSS  # benchmarks/measure.py; `python benchmarks/X.py` puts benchmarks/ on sys.path
+VARIANTS = ("trl", "trl-ext")
 
 
+def run_once(variant, model_dir, steps):
+    """Runs inside the fresh process: one training run of ``steps`` steps, (median step seconds, peak RSS growth)."""
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
 
-class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.times, self._start = [], None
+    from trl_ext.embedded.arithmetic import arithmetic_dataset, exact_match_reward
+    from trl_ext.host import PluginHost
+    from trl_ext.trainers.grpo import ExtGRPOTrainer
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], None
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self._start)
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
 
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
 
-def run_once(cls, model_dir, steps, extra):
+    cls, extra = (trl.GRPOTrainer, {}) if variant == "trl" else (ExtGRPOTrainer, {"plugin_host": PluginHost([])})
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
         config = trl.GRPOConfig(output_dir=out, bf16=False, report_to="none", max_steps=steps, logging_steps=steps,
@@ -47,22 +52,28 @@ def run_once(cls, model_dir, steps, extra):
                       processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[timer], **extra)
         with PeakRSS() as memory:
             trainer.train()
-    return statistics.median(timer.times[2:]), memory.delta
+    return {"step": statistics.median(timer.times[2:]), "peak": memory.delta}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process: one run
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.steps < 3:
+        parser.error("--steps must be at least 3 (two warm-up steps are not timed)")
+    if ns.variant:
+        print(json.dumps(run_once(ns.variant, ns.model_dir, ns.steps)))
+        return
+    from trl_ext.embedded.models import materialize_model
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(materialize_model("tiny-qwen2", f"{tmp}/m"))
-        results = {"trl": [], "trl-ext": []}
-        for _ in range(ns.repeats):
-            results["trl"].append(run_once(trl.GRPOTrainer, model_dir, ns.steps, {}))
-            results["trl-ext"].append(run_once(ExtGRPOTrainer, model_dir, ns.steps, {"plugin_host": PluginHost([])}))
-    step = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
-    peak = {k: statistics.median(m for _, m in v) for k, v in results.items()}
+        results = run_variants(__file__, VARIANTS, ["--model-dir", model_dir, "--steps", ns.steps], ns.repeats)
+    step = {k: statistics.median(r["step"] for r in v) for k, v in results.items()}
+    peak = {k: statistics.median(r["peak"] for r in v) for k, v in results.items()}
     print(f"GRPO step time  TRL {step['trl'] * 1000:.1f} ms   trl-ext {step['trl-ext'] * 1000:.1f} ms   "
           f"ratio {step['trl-ext'] / step['trl']:.3f}")
     print(f"peak RSS growth TRL {peak['trl'] / 2**20:.1f} MiB trl-ext {peak['trl-ext'] / 2**20:.1f} MiB "

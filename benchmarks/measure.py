@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -34,3 +38,25 @@ class PeakRSS:
         self._thread.join()
         self.peak = max(self.peak, self.process.memory_info().rss)
         self.delta = max(self.peak - self.base, 1)
+
+
+def run_variants(script: str | Path, variants: list[str], args: list | tuple = (),
+                 repeats: int = 1) -> dict[str, list[dict]]:
+    """Runs ``python script --variant V *args`` once per variant and repeat, each in a fresh Python process.
+
+    A fresh process per measurement means no variant inherits another's allocator growth, warmed caches or peak RSS
+    (in one process the first variant pays for growth the later ones reuse). Repeats interleave the variants and
+    reverse their order every other round (A B, B A, A B, ...), so slow drift of the machine's load hits all alike.
+    The child prints one JSON object as the last line of its stdout; returns ``{variant: [that object per repeat]}``.
+    A failing child ends the benchmark with its stderr's tail.
+    """
+    results = {variant: [] for variant in variants}
+    for round_ in range(repeats):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            cmd = [sys.executable, str(script), "--variant", variant, *map(str, args)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"{Path(script).name} --variant {variant} failed (exit {proc.returncode}):\n"
+                                 f"{proc.stderr[-3000:]}")
+            results[variant].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return results
