@@ -1,4 +1,5 @@
-"""Benchmark: trl-ext's composed loss pipeline against TRL's own ``_compute_loss`` on the same batch, in one process.
+"""Benchmark: trl-ext's composed loss pipeline against TRL's own ``_compute_loss`` on the same batch, each side in
+fresh processes.
 
 Plugin side: ``dapo`` objective + ``icepop`` correction (beta 2) + ``aggregation: token-mean`` on ``ExtGRPOTrainer``.
 TRL side: ``GRPOTrainer`` with the matching config (``loss_type="dapo"``, ``epsilon_high=0.28``, ``beta=0``) and
@@ -8,11 +9,16 @@ while icepop computes its weights inside the loss. The loss values must agree (s
 
 Shape: 16 sequences x 2048 completion tokens (+16 prompt tokens) through a one-layer Qwen2 (hidden 64) with a
 ``--vocab``-sized LM head (default 4096, bounded by the memory of a shared CPU box), so the forward, the log-softmax
-and the backward are real. One step = ``_compute_loss`` + ``backward``. Runs alternate (TRL, trl-ext, ...) so machine
-noise hits both alike; step time is the median over ``--repeats`` steps after one warm-up each; peak memory is the
-highest process RSS (psutil, sampled every 2 ms in a thread) during a step minus the RSS just before it, median over
-steps. Process CPU time is reported next to wall time, since on a shared machine it is less sensitive to other
-load. tracemalloc is not used: it sees only Python allocations, not torch's CPU allocator.
+and the backward are real. One step = ``_compute_loss`` + ``backward``.
+
+How it measures: every timed step runs in its own fresh Python process (``measure.run_variants``), so neither side
+inherits the other's allocator growth or warmed caches. Each process builds both trainers on one model and the same
+batch (identical setup), takes one warm-up step of its side, then one measured step: wall time, process CPU time
+(less sensitive to other load on a shared machine) and peak memory = the highest process RSS (psutil, sampled every
+2 ms in a thread) during the step minus the RSS just before it. ``--repeats`` processes per side run interleaved
+(TRL, trl-ext, trl-ext, TRL, ...); the medians are reported. tracemalloc is not used: it sees only Python
+allocations, not torch's CPU allocator. The loss and gradient agreement and the allocation count below run in one
+more process, not timed.
 
 Full-vocabulary tensors: a ``TorchDispatchMode`` records every op (forward and backward) whose output owns new
 storage of at least B x T x V x 2 bytes (any float type of a full ``(B, T, V)`` tensor); the plugin path must create
@@ -24,6 +30,7 @@ exactly as many as TRL's.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -42,7 +49,7 @@ from trl_ext.trainers.grpo import ExtGRPOTrainer
 from trl_ext_plugins.corrections.icepop import IcePop
 from trl_ext_plugins.losses.aggregation import Aggregation
 from trl_ext_plugins.losses.dapo import DAPO
-from measure import PeakRSS  # benchmarks/measure.py; `python benchmarks/X.py` puts benchmarks/ on sys.path
+from measure import PeakRSS, run_variants  # benchmarks/measure.py, on sys.path when run as a script
 
 
 B, P, T = 16, 16, 2048
@@ -128,48 +135,60 @@ def step(trainer, model, inputs):
     return time.perf_counter() - start, time.process_time() - cpu, loss.detach()
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--vocab", type=int, default=4096)
-    ns = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+def check(vocab: int) -> dict:
+    """Child process: loss and gradient agreement of the two sides, and the full-vocabulary tensors each creates."""
     with tempfile.TemporaryDirectory() as tmp:
-        ours, theirs, model = build_trainers(tmp, ns.vocab)
-        inputs = dict(zip(("ours", "theirs"), make_batch(ours, ns.vocab), strict=True))
+        ours, theirs, model = build_trainers(tmp, vocab)
+        inputs = dict(zip(("ours", "theirs"), make_batch(ours, vocab), strict=True))
         sides = {"theirs": theirs, "ours": ours}
-
-        losses = {name: step(trainer, model, inputs[name])[2] for name, trainer in sides.items()}  # warm-up
+        losses = {name: step(trainer, model, inputs[name])[2].item() for name, trainer in sides.items()}
         grads = {}
         for name, trainer in sides.items():
             step(trainer, model, inputs[name])
             grads[name] = [p.grad.clone() for p in model.parameters()]
         grad_diff = max((a - b).abs().max().item() for a, b in zip(grads["ours"], grads["theirs"], strict=True))
         del grads
-
         allocations = {}
         for name, trainer in sides.items():
-            with LargeAllocations(B * T * ns.vocab * 2) as counter:
+            with LargeAllocations(B * T * vocab * 2) as counter:
                 step(trainer, model, inputs[name])
-            allocations[name] = counter.ops
+            allocations[name] = dict(counter.ops)
+    return {"losses": losses, "grad_diff": grad_diff, "allocations": allocations}
 
-        times, cpu_times, peaks = ({"theirs": [], "ours": []} for _ in range(3))
-        for _ in range(ns.repeats):
-            for name, trainer in sides.items():
-                with PeakRSS() as memory:
-                    elapsed, cpu, _ = step(trainer, model, inputs[name])
-                times[name].append(elapsed)
-                cpu_times[name].append(cpu)
-                peaks[name].append(memory.delta)
 
-    t = {k: statistics.median(v) for k, v in times.items()}
-    c = {k: statistics.median(v) for k, v in cpu_times.items()}
-    m = {k: statistics.median(v) for k, v in peaks.items()}
+def measure_side(side: str, vocab: int) -> dict:
+    """Child process: one warm-up step of ``side`` ("theirs" or "ours"), then one measured step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs, model = build_trainers(tmp, vocab)
+        inputs = dict(zip(("ours", "theirs"), make_batch(ours, vocab), strict=True))[side]
+        trainer = {"theirs": theirs, "ours": ours}[side]
+        step(trainer, model, inputs)  # warm-up
+        with PeakRSS() as memory:
+            elapsed, cpu, loss = step(trainer, model, inputs)
+    return {"time": elapsed, "cpu": cpu, "peak": memory.delta, "loss": loss.item()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--variant", choices=("check", "theirs", "ours"), help=argparse.SUPPRESS)  # child process
+    ns = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if ns.variant:
+        print(json.dumps(check(ns.vocab) if ns.variant == "check" else measure_side(ns.variant, ns.vocab)))
+        return
+    checked = run_variants(__file__, ["check"], ["--vocab", ns.vocab])["check"][0]
+    losses, grad_diff, allocations = checked["losses"], checked["grad_diff"], checked["allocations"]
+    runs = run_variants(__file__, ["theirs", "ours"], ["--vocab", ns.vocab], ns.repeats)
+
+    t, c, m = ({k: statistics.median(r[key] for r in v) for k, v in runs.items()} for key in ("time", "cpu", "peak"))
     full_vocab = B * T * ns.vocab * 4 / 2**20
     print(f"shape: {B} x {T} completion tokens, vocab {ns.vocab} (one fp32 full-vocab tensor = {full_vocab:.0f} MiB); "
-          f"{ns.repeats} alternating steps per side, torch threads {torch.get_num_threads()}")
-    print(f"loss       TRL {losses['theirs'].item():.8f}  trl-ext {losses['ours'].item():.8f}  "
-          f"|diff| {abs(losses['theirs'] - losses['ours']).item():.2e}; max |grad diff| {grad_diff:.2e}")
+          f"{ns.repeats} fresh processes per side (interleaved; one warm-up + one measured step each), "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"loss       TRL {losses['theirs']:.8f}  trl-ext {losses['ours']:.8f}  "
+          f"|diff| {abs(losses['theirs'] - losses['ours']):.2e}; max |grad diff| {grad_diff:.2e}")
     print(f"step time  TRL {t['theirs'] * 1000:.0f} ms  trl-ext {t['ours'] * 1000:.0f} ms  "
           f"ratio {t['ours'] / t['theirs']:.3f} (target <= 1.05)")
     print(f"CPU time   TRL {c['theirs'] * 1000:.0f} ms  trl-ext {c['ours'] * 1000:.0f} ms  "
@@ -177,7 +196,7 @@ def main():
     print(f"peak RSS   TRL {m['theirs'] / 2**20:.0f} MiB  trl-ext {m['ours'] / 2**20:.0f} MiB  "
           f"ratio {m['ours'] / m['theirs']:.3f} (target <= 1.05)")
     print(f"full-vocab tensors created (fwd+bwd): TRL {sum(allocations['theirs'].values())} "
-          f"{dict(allocations['theirs'])}  trl-ext {sum(allocations['ours'].values())} {dict(allocations['ours'])}")
+          f"{allocations['theirs']}  trl-ext {sum(allocations['ours'].values())} {allocations['ours']}")
     extra = sum(allocations["ours"].values()) - sum(allocations["theirs"].values())
     assert extra <= 0, f"the plugin path creates {extra} extra full-vocabulary tensor(s)"
     print("no extra full-vocabulary tensor on the plugin path")
