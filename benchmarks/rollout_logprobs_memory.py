@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from measure import run_variants  # benchmarks/measure.py, on sys.path when run as a script
 
 VARIANTS = ("plain", "recorder", "output_scores")
 
@@ -62,13 +63,9 @@ def main():
     if args.variant:
         print(json.dumps(one_run(args.variant, args.rows, args.new_tokens, args.vocab)))
         return
-    results = {v: [] for v in VARIANTS}
-    for _ in range(args.repeats):
-        for variant in VARIANTS:  # interleaved, each in a fresh process: no allocator growth carried between them
-            out = subprocess.run([sys.executable, __file__, "--variant", variant, "--rows", str(args.rows),
-                                  "--new-tokens", str(args.new_tokens), "--vocab", str(args.vocab)],
-                                 capture_output=True, text=True, check=True)
-            results[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    # interleaved, each in a fresh process: no allocator growth carried between them
+    results = run_variants(__file__, VARIANTS, ["--rows", args.rows, "--new-tokens", args.new_tokens,
+                                                "--vocab", args.vocab], args.repeats)
     median = {v: {k: statistics.median(r[k] for r in runs) for k in ("peak", "growth")} for v, runs in results.items()}
     kept = args.rows * args.new_tokens * args.vocab * 4 / 2**20
     print(f"rows {args.rows}, new tokens {args.new_tokens}, vocab {args.vocab}; output_scores keeps {kept:.0f} MiB "
