@@ -12,7 +12,8 @@ given vocabulary, the same prompts, the same seed and ``max_completion_length`` 
 * ``opd``: trl-ext's GRPO trainer with ``opd_reward`` (``num_generations`` 2, same number of completions per step).
 
 Peak memory is CUDA peak allocated on a GPU, else the process's peak RSS growth during ``train()`` (sampled); with
-``--repeats R`` each variant runs in R fresh processes and the median is reported (RSS growth varies between runs).
+``--repeats R`` each variant runs in R fresh processes, interleaved with the other variants' (``measure.run_variants``),
+and the run with the median peak is reported (RSS growth varies between runs).
 The ``opd`` row also reports the teacher's scoring time per sampled student token (one forward with TRL's fused
 head, only the sampled tokens projected). Ratios are against the ``trl`` row of the same vocabulary.
 """
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from measure import run_variants  # benchmarks/measure.py, on sys.path when run as a script
 
 VARIANTS = ("trl", "gkd", "gkd_mix", "opd")
 
@@ -146,13 +148,11 @@ def main() -> None:
     print(f"{'vocab':>7} {'variant':<8} {'peak MB':>9} {'ratio vs trl':>12} {'s':>7} {'teacher us/token':>16}",
           flush=True)
     for vocab in args.vocab:
-        rows = {}
-        for variant in ["trl"] + [v for v in args.variants if v != "trl"]:
-            cmd = [sys.executable, __file__, "--variant", variant, "--vocab", str(vocab), "--steps", str(args.steps),
-                   "--batch", str(args.batch), "--tokens", str(args.tokens)]
-            runs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
-                               .splitlines()[-1]) for _ in range(args.repeats)]
-            rows[variant] = sorted(runs, key=lambda r: r["peak_mb"])[len(runs) // 2]  # median (upper for even)
+        order = ["trl"] + [v for v in args.variants if v != "trl"]
+        runs = run_variants(__file__, order, ["--vocab", vocab, "--steps", args.steps, "--batch", args.batch,
+                                              "--tokens", args.tokens], args.repeats)
+        # median run by peak (upper for even)
+        rows = {variant: sorted(rs, key=lambda r: r["peak_mb"])[len(rs) // 2] for variant, rs in runs.items()}
         for variant, row in rows.items():
             ratio = row["peak_mb"] / rows["trl"]["peak_mb"]
             teacher = f"{row['teacher_us_per_token']:.1f}" if "teacher_us_per_token" in row else "-"
