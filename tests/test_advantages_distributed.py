@@ -64,9 +64,9 @@ def test_two_processes_match_one(tmp_path):
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # this interpreter's torch, whatever its bin/ holds
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script)],
+    done = subprocess.run([*torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script)],
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     double = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])

@@ -76,9 +76,9 @@ def test_ranks_stay_in_sync_and_hold_only_groups_with_variance(tmp_path, round_p
     model_dir = materialize_model("tiny-qwen2", tmp_path / "model", seed=0)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # this interpreter's torch, whatever its bin/ holds
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script),
+    done = subprocess.run([*torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script),
                            str(model_dir), str(tmp_path / "out"), *([str(round_prompts)] if round_prompts else [])],
                           capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
