@@ -13,9 +13,9 @@ and the backward are real. One step = ``_compute_loss`` + ``backward``.
 
 How it measures: every timed step runs in its own fresh Python process (``measure.run_variants``), so neither side
 inherits the other's allocator growth or warmed caches. Each process builds both trainers on one model and the same
-batch (identical setup), takes one warm-up step of its side, then one measured step: wall time, process CPU time
-(less sensitive to other load on a shared machine) and peak memory = the highest process RSS (psutil, sampled every
-2 ms in a thread) during the step minus the RSS just before it. ``--repeats`` processes per side run interleaved
+batch (identical setup), takes one warm-up step of its side, then one timed step (wall time, and process CPU time,
+less sensitive to other load on a shared machine), then one more step for peak memory = the highest process RSS
+(psutil, sampled every 2 ms in a thread, which is why timing runs without it) minus the RSS just before it. ``--repeats`` processes per side run interleaved
 (TRL, trl-ext, trl-ext, TRL, ...); the medians are reported. tracemalloc is not used: it sees only Python
 allocations, not torch's CPU allocator. The loss and gradient agreement and the allocation count below run in one
 more process, not timed.
@@ -157,14 +157,17 @@ def check(vocab: int) -> dict:
 
 
 def measure_side(side: str, vocab: int) -> dict:
-    """Child process: one warm-up step of ``side`` ("theirs" or "ours"), then one measured step."""
+    """Child process: one warm-up step of ``side`` ("theirs" or "ours"), one timed step, one step for memory."""
     with tempfile.TemporaryDirectory() as tmp:
         ours, theirs, model = build_trainers(tmp, vocab)
         inputs = dict(zip(("ours", "theirs"), make_batch(ours, vocab), strict=True))[side]
         trainer = {"theirs": theirs, "ours": ours}[side]
         step(trainer, model, inputs)  # warm-up
+        # Timed without the RSS sampler, whose polling thread takes the GIL from the step (it slowed the side with
+        # more Python code); memory is measured on one more step.
+        elapsed, cpu, loss = step(trainer, model, inputs)
         with PeakRSS() as memory:
-            elapsed, cpu, loss = step(trainer, model, inputs)
+            step(trainer, model, inputs)
     return {"time": elapsed, "cpu": cpu, "peak": memory.delta, "loss": loss.item()}
 
 
@@ -185,7 +188,7 @@ def main():
     t, c, m = ({k: statistics.median(r[key] for r in v) for k, v in runs.items()} for key in ("time", "cpu", "peak"))
     full_vocab = B * T * ns.vocab * 4 / 2**20
     print(f"shape: {B} x {T} completion tokens, vocab {ns.vocab} (one fp32 full-vocab tensor = {full_vocab:.0f} MiB); "
-          f"{ns.repeats} fresh processes per side (interleaved; one warm-up + one measured step each), "
+          f"{ns.repeats} fresh processes per side (interleaved; one warm-up + one timed + one memory step each), "
           f"torch threads {torch.get_num_threads()}")
     print(f"loss       TRL {losses['theirs']:.8f}  trl-ext {losses['ours']:.8f}  "
           f"|diff| {abs(losses['theirs'] - losses['ours']):.2e}; max |grad diff| {grad_diff:.2e}")
