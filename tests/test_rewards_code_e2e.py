@@ -15,7 +15,8 @@ RECIPE = Path(__file__).resolve().parents[1] / "configs" / "unit_tests.yaml"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bwrap_problem() is not None, reason="the unit_tests reward refuses to run without bubblewrap")
+@pytest.mark.skipif(bwrap_problem() is not None, reason="the unit_tests reward refuses to run without bubblewrap "
+                                                        "(.ci/run installs it and stops if it is missing, so CI runs this)")
 def test_unit_tests_recipe_raises_held_out_pass_rate(tmp_path):
     # One BLAS/OpenMP thread: on a shared 2-core machine spinning OpenMP workers slowed training 20-fold.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
