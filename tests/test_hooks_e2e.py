@@ -297,7 +297,7 @@ def test_checkpoints_are_pruned_once_the_stage_is_complete_unless_kept(tmp_path)
     run_recipe(_sft_recipe(4), tmp_path / "pruned", _catalog(), echo=messages.append)
     stage = tmp_path / "pruned" / "sft"
     assert (stage / "stage.json").exists() and (stage / "model.safetensors").exists()
-    assert not (stage / "checkpoints").exists() and not (stage / ".checkpoints.pruning").exists()
+    assert not (stage / "checkpoints").exists() and not (stage / ".removing-checkpoints").exists()
     assert any("removed its training checkpoints" in m for m in messages)
 
     kept = _sft_recipe(4).model_copy(update={"keep_checkpoints": True})
@@ -307,7 +307,7 @@ def test_checkpoints_are_pruned_once_the_stage_is_complete_unless_kept(tmp_path)
 
     # A kill between the rename and the deletion leaves the renamed folder: the next run (stage already complete)
     # finishes deleting it, and nothing else of the stage is touched.
-    (stage / ".checkpoints.pruning" / "checkpoint-2").mkdir(parents=True)
+    (stage / ".removing-checkpoints" / "checkpoint-2").mkdir(parents=True)
     run_recipe(_sft_recipe(4), tmp_path / "pruned", _catalog(), echo=lambda _m: None)
-    assert not (stage / ".checkpoints.pruning").exists() and (stage / "model.safetensors").exists()
+    assert not (stage / ".removing-checkpoints").exists() and (stage / "model.safetensors").exists()
     prune_checkpoints(stage, messages.append)  # nothing left to prune: a no-op

@@ -230,11 +230,24 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+REMOVING_PREFIX = ".removing-"
+
+
 def _remove_tree(path: Path) -> None:
-    """Delete a folder so that an interruption never leaves half of it under its real name: rename, then delete."""
-    doomed = path.with_name(f".removing-{path.name}-{os.getpid()}")
+    """Delete a folder so that an interruption never leaves half of it under its real name: rename it to
+    ``.removing-<name>`` in one step, then delete; a kill in between leaves only that, which
+    :func:`_finish_removals` deletes on the next run (one run per output directory, so the name is free)."""
+    doomed = path.with_name(f"{REMOVING_PREFIX}{path.name}")
+    if doomed.exists():
+        shutil.rmtree(doomed)
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _finish_removals(folder: Path) -> None:
+    """Delete what interrupted :func:`_remove_tree` calls left in ``folder``."""
+    for leftover in folder.glob(f"{REMOVING_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -406,20 +419,16 @@ def _run_stages(recipe: Recipe, resolved: list[ResolvedStage], fingerprints: dic
 
 
 def prune_checkpoints(stage_dir: Path, echo: Callable[[str], None]) -> None:
-    """Delete a complete stage's training checkpoints. The folder is first renamed aside in one step, so a kill
-    mid-deletion leaves either the whole folder or a ``.pruning`` leftover that the next run finishes deleting."""
-    checkpoints, doomed = stage_dir / "checkpoints", stage_dir / ".checkpoints.pruning"
+    """Delete a complete stage's training checkpoints (through :func:`_remove_tree`, so a kill mid-deletion leaves a
+    ``.removing-checkpoints`` folder that this function, on the next run, finishes deleting)."""
+    checkpoints = stage_dir / "checkpoints"
     if checkpoints.is_dir():
-        if doomed.exists():
-            shutil.rmtree(doomed)
         saved = any(checkpoints.glob("checkpoint-*"))
-        os.replace(checkpoints, doomed)
-        crash_point("prune_checkpoints")
+        _remove_tree(checkpoints)
         if saved:
             echo(f"[trl-ext] stage {stage_dir.name!r}: removed its training checkpoints (keep_checkpoints: true keeps "
                  "them)")
-    if doomed.exists():
-        shutil.rmtree(doomed)
+    _finish_removals(stage_dir)
 
 
 def _plugin_versions(rs: ResolvedStage, catalog) -> list[dict[str, Any]]:
