@@ -4,7 +4,8 @@ A recipe is YAML: either one stage (``trainer``, ``model``, ``dataset``, ``args`
 list of named ``stages``. Each error message starts with the exact field path, e.g. ``stages[1].args.learnin_rate``.
 
 Model references (``model``, ``ref_model``, ``teacher``): ``stage:<name>`` is the output folder of an earlier stage,
-``embedded:<name>`` a model built in code (see ``trl-ext plugins list``), anything else a local path or hub id.
+``run:<recipe>/<stage>`` a stage of another recipe's run (:func:`resolve_run_refs`), ``embedded:<name>`` a model
+built in code (see ``trl-ext plugins list``), anything else a local path or hub id.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Va
 from trl_ext.errors import RecipeError, UnknownPluginError
 
 STAGE_PREFIX = "stage:"
+RUN_PREFIX = "run:"
 EMBEDDED_PREFIX = "embedded:"
 # Fields trl-ext manages itself; setting them in `args` would fight the runner.
 MANAGED_ARGS = {"output_dir": "use the top-level `output_dir` or `trl-ext train --output-dir`"}
@@ -112,6 +114,13 @@ class StageSpec(_Strict):
     plugins: list[PluginSelection] = Field(default_factory=list)
     peft: PeftSpec | None = None
     evaluation: EvaluationSpec | None = None
+    # Folder -> the ``run:`` reference it was resolved from (resolve_run_refs): fingerprints use the reference, so a
+    # finished stage stays valid when both runs move together or the command runs from another directory.
+    _run_refs: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def as_written(self) -> dict[str, Any]:
+        """The spec as JSON with each resolved ``run:`` reference written back as the recipe wrote it."""
+        return _replace_strings(self.model_dump(mode="json"), self._run_refs)
 
     @field_validator("name")
     @classmethod
@@ -174,6 +183,8 @@ class Recipe(_Strict):
     # The file the recipe was read from (None when built in code): where to look for the recipes that build another
     # run's outputs it uses, to name them when those outputs are missing.
     _source_file: Path | None = PrivateAttr(default=None)
+    # Stage folder -> the ``run:`` reference it was found for (resolve_run_refs), to name what builds a missing one.
+    _run_refs_found: dict[str, RunRef] = PrivateAttr(default_factory=dict)
     stages: list[StageSpec] = Field(min_length=1)
 
     @model_validator(mode="before")
@@ -191,8 +202,111 @@ class Recipe(_Strict):
     def fingerprint(self, upto: int | None = None) -> str:
         """Hash of the resolved stages (all, or the first ``upto``); a finished stage is reused only on a match."""
         stages = self.stages if upto is None else self.stages[:upto]
-        blob = json.dumps([s.model_dump(mode="json") for s in stages], sort_keys=True, default=str)
+        blob = json.dumps([s.as_written() for s in stages], sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# References to another recipe's run
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRef:
+    """Where ``run:<recipe>/<stage>`` was looked for: ``producer`` is the recipe file that builds it."""
+
+    ref: str
+    producer: Path
+    stage: str
+    folder: Path  # the stage folder used (the first place looked in when none exists yet)
+    looked_in: tuple[Path, ...]
+
+    def missing_hint(self) -> str:
+        places = ", ".join(str(p) for p in self.looked_in)
+        return (f"it is stage {self.stage!r} of {self.producer}, not built yet (looked in {places}); build it first "
+                f"with `trl-ext train {self.producer}`")
+
+
+def _replace_strings(value: Any, mapping: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return mapping.get(value, value)
+    if isinstance(value, dict):
+        return {k: _replace_strings(v, mapping) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_strings(v, mapping) for v in value]
+    return value
+
+
+def _run_ref_leaves(value: Any) -> list[str]:
+    return [leaf for _path, leaf in string_leaves(value) if leaf.startswith(RUN_PREFIX)]
+
+
+def locate_run_ref(ref: str, recipe_dir: Path, cwd: Path) -> RunRef:
+    """``run:<recipe>/<stage>``: stage ``<stage>`` of the recipe file ``<recipe>`` (``.yaml`` implied), a path taken
+    relative to the referencing recipe's folder, never the working directory.
+
+    That recipe's ``output_dir`` (default ``runs/<its file stem>``, as ``trl-ext train`` uses) is, when relative,
+    wherever its ``trl-ext train`` ran: the working directory, the producing recipe's folder or one of that folder's
+    parents (``configs/quickstart.yaml`` run from the repository root writes ``<root>/runs/quickstart``). The first
+    of those holding the finished stage (its ``stage.json``) wins, then the first where the stage folder exists.
+    RecipeError naming the reference when the recipe file or the stage does not exist."""
+    body = ref[len(RUN_PREFIX):]
+    recipe_part, _, stage = body.rpartition("/")
+    if not recipe_part or not stage:
+        raise RecipeError(f"{ref!r}: write run:<recipe file>/<stage name>, e.g. run:quickstart/sft")
+    producer = (recipe_dir / recipe_part).expanduser()
+    if producer.suffix not in (".yaml", ".yml"):
+        producer = next((c for c in (producer.with_name(producer.name + ".yaml"),
+                                     producer.with_name(producer.name + ".yml")) if c.is_file()),
+                        producer.with_name(producer.name + ".yaml"))
+    try:
+        other = parse_recipe(load_raw(producer))
+    except RecipeError as exc:
+        raise RecipeError(f"{ref!r}: cannot read the recipe that builds it: {exc.messages[0]}") from None
+    names = [s.name for s in other.stages]
+    if stage not in names:
+        raise RecipeError(f"{ref!r}: {producer} has no stage {stage!r} (its stages: {names})")
+    out = Path(other.output_dir or Path("runs") / producer.stem).expanduser()
+    if out.is_absolute():
+        bases = [out]
+    else:
+        home = producer.resolve().parent
+        bases = list(dict.fromkeys(b / out for b in (cwd, home, *home.parents)))
+    folders = [b / stage for b in bases]
+    found = (next((f for f in folders if (f / "stage.json").is_file()), None)
+             or next((f for f in folders if f.is_dir()), folders[0]))
+    return RunRef(ref, producer, stage, found, tuple(folders))
+
+
+def resolve_run_refs(recipe: Recipe, recipe_file: Path | None, cwd: Path | None = None) -> Recipe:
+    """Replace every ``run:`` reference (stage ``model``/``ref_model``/``teacher`` and plugin parameters) by the
+    folder :func:`locate_run_ref` finds, in place; the recipe keeps them in ``_run_refs_found`` to name a missing
+    one's producer, and each stage keeps the written form for its fingerprint. RecipeError lists every bad one."""
+    cwd = (cwd or Path.cwd()).resolve()
+    recipe_dir = recipe_file.resolve().parent if recipe_file is not None else cwd
+    errors, found = [], {}
+    for index, stage in enumerate(recipe.stages):
+        refs = [getattr(stage, f) for f in ("model", "ref_model", "teacher")]
+        refs += [leaf for p in stage.plugins for leaf in _run_ref_leaves(p.params)]
+        mapping = {}
+        for ref in dict.fromkeys(r for r in refs if r and r.startswith(RUN_PREFIX)):
+            try:
+                located = found.get(ref) or locate_run_ref(ref, recipe_dir, cwd)
+            except RecipeError as exc:
+                errors += [f"stages[{index}]: {m}" for m in exc.messages]
+                continue
+            found[ref] = located
+            mapping[ref] = str(located.folder)
+        if mapping:
+            for field_name in ("model", "ref_model", "teacher"):
+                setattr(stage, field_name, mapping.get(getattr(stage, field_name), getattr(stage, field_name)))
+            for selection in stage.plugins:
+                selection.params = _replace_strings(selection.params, mapping)
+            stage._run_refs = {folder: ref for ref, folder in mapping.items()}
+    if errors:
+        raise RecipeError(errors)
+    recipe._run_refs_found = {str(r.folder): r for r in found.values()}
+    return recipe
 
 
 # ------------------------------------------------------------------------------------------------------------------

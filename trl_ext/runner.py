@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 from trl_ext.errors import OutputDirError, RecipeError
 from trl_ext.faults import crash_point
-from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, string_leaves, validate_recipe
+from trl_ext.recipe import (EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, resolve_run_refs, string_leaves,
+                            validate_recipe)
 from trl_ext.stage import ResolvedStage, build_peft_config, evaluation_reward_plugins, resolve_stage  # noqa: F401
 
 COMPLETE_MARKER = "stage.json"
@@ -84,13 +85,14 @@ def preflight(recipe: Recipe, catalog, output_dir: str | Path | None = None, max
     training starts; with ``warn`` (``trl-ext validate``) it is reported there instead, as it may exist by then."""
     from trl_ext.stage import model_ref_errors
 
+    resolve_run_refs(recipe, recipe._source_file)  # run:<recipe>/<stage> -> that run's stage folder
     errors: list[str] = []
     resolved: list[ResolvedStage] = []
     try:
         resolved = resolve_recipe(recipe, catalog, max_steps=max_steps)
     except RecipeError as exc:
         errors += exc.messages
-    missing = [m + prerequisite_hint(m, recipe._source_file)
+    missing = [m + prerequisite_hint(m, recipe)
                for i, stage in enumerate(recipe.stages) for m in model_ref_errors(stage, f"stages[{i}]")
                if m not in errors]
     if warn is None:
@@ -104,15 +106,21 @@ def preflight(recipe: Recipe, catalog, output_dir: str | Path | None = None, max
     return resolved
 
 
-def prerequisite_hint(message: str, recipe_file: Path | None) -> str:
-    """For a missing model folder that another recipe beside this one builds (``runs/quickstart/sft`` is stage
-    ``sft`` of the recipe whose ``output_dir`` is ``runs/quickstart``), the command that builds it."""
+def prerequisite_hint(message: str, recipe: Recipe) -> str:
+    """For a missing model folder that another recipe builds, the command that builds it: the producer of a ``run:``
+    reference, or for a plain relative path (``runs/quickstart/sft``) a recipe beside this one whose ``output_dir``
+    and stage name make that path."""
     import re
 
     import yaml
 
     found = re.search(r"no such model folder '([^']+)'", message)
-    if recipe_file is None or found is None:
+    if found is None:
+        return ""
+    if found.group(1) in recipe._run_refs_found:
+        return ": " + recipe._run_refs_found[found.group(1)].missing_hint()
+    recipe_file = recipe._source_file
+    if recipe_file is None:
         return ""
     wanted = Path(found.group(1))
     for candidate in sorted(recipe_file.parent.glob("*.yaml")):
@@ -179,7 +187,7 @@ def stage_fingerprints(resolved: list[ResolvedStage]) -> dict[str, str]:
     """A stage's fingerprint covers its spec, its resolved args and every earlier stage (its inputs may change)."""
     out, chain = {}, ""
     for rs in resolved:
-        blob = json.dumps([rs.spec.model_dump(mode="json"), rs.args], sort_keys=True, default=str)
+        blob = json.dumps([rs.spec.as_written(), rs.args], sort_keys=True, default=str)
         chain = hashlib.sha256((chain + blob).encode()).hexdigest()[:16]
         out[rs.spec.name] = chain
     return out

@@ -176,15 +176,17 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?"
 def model_ref_errors(stage: StageSpec, where: str, missing_relative: bool = True) -> list[str]:
     """``model``/``ref_model``/``teacher`` given as local paths must be model folders (hub ids are left to the hub).
 
-    ``missing_relative=False`` leaves out relative paths such as ``runs/quickstart/sft`` that do not exist *yet* (the
-    output of another run); explicit local paths (absolute, ``./``, ``../``, ``~``) are always checked."""
+    ``missing_relative=False`` leaves out relative paths such as ``runs/quickstart/sft`` and ``run:`` references that
+    do not exist *yet* (the output of another run); explicit local paths (absolute, ``./``, ``../``, ``~``) are always
+    checked."""
     errors = []
     for field_name in ("model", "ref_model", "teacher"):
         ref = getattr(stage, field_name)
         if not ref or ref.startswith((STAGE_PREFIX, EMBEDDED_PREFIX)):
             continue
         path = Path(ref).expanduser()
-        explicit = ref.startswith(("/", "./", "../", "~", ".\\", "..\\")) or "\\" in ref
+        # Another run's stage (a resolved ``run:`` reference) may not exist *yet*, like a bare relative path.
+        explicit = ref not in stage._run_refs and (ref.startswith(("/", "./", "../", "~", ".\\", "..\\")) or "\\" in ref)
         if path.is_dir():
             if not (path / "config.json").is_file():
                 errors.append(f"{where}.{field_name}: {ref!r} is a folder without config.json, not a model folder")
@@ -193,7 +195,8 @@ def model_ref_errors(stage: StageSpec, where: str, missing_relative: bool = True
         elif path.exists():
             errors.append(f"{where}.{field_name}: {ref!r} is a file; give the model's folder (or a .gguf file)")
         elif explicit or (missing_relative and not _HUB_ID.fullmatch(ref)):
-            errors.append(f"{where}.{field_name}: no such model folder {ref!r} (and not a hub id)")
+            written = f"for {stage._run_refs[ref]!r}" if ref in stage._run_refs else "and not a hub id"
+            errors.append(f"{where}.{field_name}: no such model folder {ref!r} ({written})")
     return errors
 
 
