@@ -182,12 +182,12 @@ def test_rloo_rejects_one_generation(catalog, register_plugin):
     resolve_stage(_stage("rloo", num_generations=2, per_device_train_batch_size=2), 0, catalog)
 
 
-def test_reinforce_pp_needs_reference_and_remax_refuses_vllm(catalog, register_plugin):
+def test_reinforce_pp_gets_its_reference_and_remax_refuses_vllm(catalog, register_plugin):
     register_plugin(ReinforcePP)
     register_plugin(ReMax)
-    with pytest.raises(RecipeError, match="needs 'reference'"):
-        resolve_stage(_stage("reinforce_pp"), 0, catalog)
-    resolve_stage(_stage("reinforce_pp", beta=0.01), 0, catalog)
+    # The KL in the reward asks TRL for the reference (beta 1.0, no loss term) when the recipe sets no beta ...
+    assert resolve_stage(_stage("reinforce_pp"), 0, catalog).args["beta"] == 1.0
+    assert resolve_stage(_stage("reinforce_pp", beta=0.01), 0, catalog).args["beta"] == 0.01  # ... else keeps it
     with pytest.raises(RecipeError, match="use_vllm"):
         resolve_stage(_stage("remax", use_vllm=True), 0, catalog)
 

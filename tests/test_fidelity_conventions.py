@@ -135,26 +135,44 @@ def test_ppo_and_reinforce_pp_kl_clamp(plugin_cls, params):
         assert batch.metrics["reinforce_pp/kl"] == pytest.approx(0.2)
 
 
-def test_kl_only_in_reward_hooks_for_rloo_and_remax():
-    trainer = type("T", (), {})()
-    for plugin in (RLOO(RLOOParams(kl_coef=0.05)), ReMax(ReMaxParams(kl_coef=0.05))):
-        assert plugin.trl_ext_configure_args(trainer="grpo", args={}) == {"beta": 1.0}  # the reference is computed
-        assert plugin.trl_ext_configure_args(trainer="grpo", args={"beta": 0.04}) is None  # the recipe's beta kept
-        trainer.kl_term = ops.KLTerm("k3", bias_correction=True)
-        plugin.trl_ext_trainer_created(trainer=trainer)
-        assert trainer.kl_term.weight(1.0) == 0.0  # ... and no loss KL term
-    for plugin in (RLOO(), ReMax(), RLOO(RLOOParams(kl_coef=0.05, kl_in_loss=True))):  # defaults / both KL forms
-        assert plugin.trl_ext_configure_args(trainer="grpo", args={}) is None
-        trainer.kl_term = ops.KLTerm("k3", bias_correction=True)
-        plugin.trl_ext_trainer_created(trainer=trainer)
-        assert trainer.kl_term.weight(0.04) == 0.04
+REWARD_KL_PLUGINS = [(PPO, PPOParams), (ReinforcePP, ReinforcePPParams), (RLOO, RLOOParams), (ReMax, ReMaxParams)]
+
+
+@pytest.mark.parametrize("cls, params", REWARD_KL_PLUGINS, ids=lambda c: getattr(c, "name", ""))
+@pytest.mark.parametrize("kl_in_loss, recipe_beta, asked, loss_coef", [
+    (False, None, {"beta": 1.0}, 0.0),   # KL only in the reward: the reference, no loss term
+    (False, 0.04, None, 0.0),            # the recipe's beta still gives the reference; the loss term is dropped
+    (True, None, {"beta": 1.0}, 0.0),    # KL in the loss "too", but the recipe's loss beta is 0: no loss term
+    (True, 0.04, None, 0.04),            # both: TRL's beta KL loss term stays
+])
+def test_reward_kl_always_gets_the_reference(cls, params, kl_in_loss, recipe_beta, asked, loss_coef):
+    """Issue 10: reference log-probs whenever any KL form is on, for every KL-in-the-reward plugin alike."""
+    from trl_ext import Need
+
+    plugin = cls(params(kl_coef=0.05, kl_in_loss=kl_in_loss))
+    assert Need.REFERENCE in plugin.needs
+    args = {} if recipe_beta is None else {"beta": recipe_beta}
+    assert plugin.trl_ext_configure_args(trainer="grpo", args=args) == asked
+    trainer = type("T", (), {"kl_term": ops.KLTerm("k3", bias_correction=True)})()
+    plugin._reward_kl_trainer_created(trainer)  # ppo's hook also builds its critic: the KL part is this
+    beta = (asked or args)["beta"]
+    assert trainer.kl_term.weight(beta) == loss_coef
+
+
+@pytest.mark.parametrize("cls, params", REWARD_KL_PLUGINS, ids=lambda c: getattr(c, "name", ""))
+def test_no_reward_kl_needs_no_reference(cls, params):
+    plugin = cls(params(kl_coef=0.0))
+    assert not plugin.needs and plugin.trl_ext_configure_args(trainer="grpo", args={}) is None
+    trainer = type("T", (), {"kl_term": ops.KLTerm("k3", bias_correction=True)})()
+    plugin._reward_kl_trainer_created(trainer)
+    assert trainer.kl_term.weight(0.04) == 0.04  # the recipe's own loss KL is untouched
 
 
 @pytest.fixture
 def catalog(trl_ext_catalog, register_plugin):
     from trl_ext_plugins.rewards.exact_match import ExactMatch
 
-    for cls in (ExactMatch, RLOO, ReMax):
+    for cls in (ExactMatch, RLOO, ReMax, PPO, ReinforcePP):
         register_plugin(cls)
     return trl_ext_catalog
 
@@ -165,13 +183,15 @@ def _stage(plugin, params, **args):
                      args={"num_generations": 2, "per_device_train_batch_size": 2, **args})
 
 
-@pytest.mark.parametrize("plugin", ["rloo", "remax"])
+@pytest.mark.parametrize("plugin", ["rloo", "remax", "ppo", "reinforce_pp"])
 def test_reward_kl_gets_the_reference_at_validation(catalog, plugin):
-    resolved = resolve_stage(_stage(plugin, {"kl_coef": 0.05}), 0, catalog)
-    assert resolved.args["beta"] == 1.0
-    assert resolve_stage(_stage(plugin, {}), 0, catalog).args.get("beta", 0.0) == 0.0  # default unchanged
-    with pytest.raises(RecipeError, match="needs 'reference'"):  # KL in the loss too, but no args.beta for it
-        resolve_stage(_stage(plugin, {"kl_coef": 0.05, "kl_in_loss": True}), 0, catalog)
+    for kl_in_loss in (False, True):  # "KL in the loss too" with no args.beta used to be refused for want of it
+        resolved = resolve_stage(_stage(plugin, {"kl_coef": 0.05, "kl_in_loss": kl_in_loss}), 0, catalog)
+        assert resolved.args["beta"] == 1.0
+    assert resolve_stage(_stage(plugin, {"kl_coef": 0.05}, beta=0.04), 0, catalog).args["beta"] == 0.04
+    assert resolve_stage(_stage(plugin, {"kl_coef": 0.0}), 0, catalog).args.get("beta", 0.0) == 0.0
+    with pytest.raises(RecipeError, match="the recipe sets 0.0 but plugin"):  # an explicit 0 is not overridden
+        resolve_stage(_stage(plugin, {"kl_coef": 0.05}, beta=0.0), 0, catalog)
 
 
 def test_rloo_kl_parity_with_trl_rloo_trainer(tiny_trainer):

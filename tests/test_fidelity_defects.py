@@ -375,7 +375,8 @@ def test_kl_only_in_reward_loads_the_reference_without_a_loss_term():
     assert args == {"beta": 1.0}  # the reference is computed ...
     assert Need.REFERENCE in TRAINER_KINDS["grpo"].capabilities(SimpleNamespace(teacher=None, teachers=None), args)
     assert plugin.trl_ext_configure_args(trainer="grpo", args={"beta": 0.04}) is None  # recipe's own beta kept
-    assert ReinforcePP().trl_ext_configure_args(trainer="grpo", args={}) is None  # default unchanged
+    assert ReinforcePP().trl_ext_configure_args(trainer="grpo", args={"beta": 0.04}) is None  # default unchanged
+    # (the default without a beta used to be refused for want of the reference; it now gets it with no loss term)
     trainer = SimpleNamespace(kl_term=ops.KLTerm("k3", bias_correction=True))
     plugin.trl_ext_trainer_created(trainer=trainer)
     assert trainer.kl_term.weight(1.0) == 0.0 and not trainer.kl_term.is_trl()  # ... but adds no loss term

@@ -19,11 +19,10 @@ from trl_ext_plugins.advantages.math import (
     token_rewards,
 )
 from trl_ext_plugins.advantages.rollout import (
+    RewardKLHooks,
     RewardKLParams,
-    drop_loss_kl,
     local,
     rank_reduce,
-    reference_only_beta,
     reward_kl,
 )
 
@@ -64,10 +63,11 @@ class PPOParams(RewardKLParams):
     length_adaptive_alpha: float | None = Field(None, gt=0.0, description="If set, the policy lambda of each sequence "
                                                 "is 1 - 1/(alpha * l) (VAPO, alpha 0.05), replacing lam.")
     kl_coef: float = Field(0.01, ge=0.0, description="beta of the k1 KL to the reference folded into the token rewards "
-                           "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01; needs args.beta != 0).")
-    kl_in_loss: bool = Field(True, description="true (default, as before): TRL's args.beta k3 KL term stays in the "
-                             "loss too; false: the KL is only in the reward: no loss term, and args.beta (set to 1.0 by "
-                             "this plugin when the recipe leaves it 0) only makes TRL compute the reference log-probs.")
+                           "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01; 0: no reference).")
+    kl_in_loss: bool = Field(True, description="With a non-zero args.beta: true (default, as before) keeps TRL's "
+                             "args.beta k3 KL term in the loss too; false drops it (the KL only in the reward). With "
+                             "args.beta 0 (TRL's default) there is no loss term either way: the plugin sets args.beta "
+                             "1.0 only so TRL computes the reference log-probs.")
     whiten_advantages: bool = Field(True, description="Whiten the advantages over the valid tokens of the global "
                                     "batch (verl/OpenRLHF GAE default).")
 
@@ -78,7 +78,7 @@ class PPOParams(RewardKLParams):
         return self
 
 
-class PPO(Plugin):
+class PPO(RewardKLHooks, Plugin):
     """PPO for RLHF (Schulman et al. 2017, arXiv 1707.06347; Ziegler et al. 2019, arXiv 1909.08593; InstructGPT,
     arXiv 2203.02155) with a learned value model and GAE (arXiv 1506.02438), on the GRPO trainer.
 
@@ -98,10 +98,10 @@ class PPO(Plugin):
     the critic's own optimizer, independent of the policy's learning_rate),
     one critic step per rollout, critic = value head on a copy of the policy trunk (head ~ N(0, 1/(H+1)), seeded).
     Conventions: the value of token ``t`` is read at the position predicting it; unscorable rows count as reward 0;
-    the reference log-probs exist only when ``args.beta != 0``, which by default also adds TRL's k3 KL *loss* term;
-    ``kl_in_loss: false`` keeps the KL in the reward only (InstructGPT's form: no loss term, and the plugin sets
-    ``args.beta: 1.0`` itself when the recipe leaves it 0, only so TRL computes the reference); set ``kl_coef: 0`` to
-    run without a reference.
+    the reference log-probs are computed whenever ``kl_coef > 0`` (:class:`RewardKLHooks`): a recipe's non-zero
+    ``args.beta`` also adds TRL's k3 KL *loss* term unless ``kl_in_loss: false`` (InstructGPT's form, the KL in the
+    reward only); with ``args.beta`` 0 there is no loss term and the plugin sets ``args.beta: 1.0`` only so TRL
+    computes the reference. ``kl_coef: 0`` runs without a reference.
     On several processes the critic is replicated on every rank (built from gathered shards under ZeRO-3); each
     rank's value loss is weighted by its share of the global tokens before the gradients are averaged, so the critic
     step is the one a single process takes on the same global batch (tested under DDP, FSDP2, ZeRO-2 and ZeRO-3).
@@ -121,7 +121,7 @@ class PPO(Plugin):
     def __init__(self, params=None):
         super().__init__(params)
         # instance-level needs: the reference is required only when the KL is folded into the reward
-        self.needs = frozenset({Need.REFERENCE}) if self.params.kl_coef > 0 else frozenset()
+        self.needs = self._reward_kl_needs()
         self.critic = None
         self.critic_optimizer = None
         self.trainer = None
@@ -130,15 +130,12 @@ class PPO(Plugin):
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
-        if self.params.kl_in_loss or self.params.kl_coef <= 0:
-            return None
-        return reference_only_beta(args)
+        return self._reward_kl_args(args)
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
         self.trainer = trainer
-        if not self.params.kl_in_loss:
-            drop_loss_kl(trainer)
+        self._reward_kl_trainer_created(trainer)
         seed = trainer.args.seed
         if self.params.critic == "path":
             critic = critic_from_path(self.params.critic_path, seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from trl_ext import Need, NoParams, Plugin, Slot, hookimpl
+from trl_ext import NoParams, Plugin, Slot, hookimpl
 from trl_ext_plugins.advantages.math import (
     discounted_returns,
     group_mean_baseline,
@@ -13,25 +13,25 @@ from trl_ext_plugins.advantages.math import (
     token_rewards,
 )
 from trl_ext_plugins.advantages.rollout import (
+    RewardKLHooks,
     RewardKLParams,
-    drop_loss_kl,
     local,
     rank_reduce,
-    reference_only_beta,
     reward_kl,
 )
 
 
 class ReinforcePPParams(RewardKLParams):
     kl_coef: float = Field(0.01, ge=0.0, description="beta of the per-token KL folded into the reward, "
-                           "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01).")
+                           "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01; 0: no reference).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of the token returns G_t (paper: 1).")
-    kl_in_loss: bool = Field(True, description="true (default, as before): TRL's args.beta k3 KL term stays in the "
-                             "loss too; false: the KL is only in the reward: no loss term, and args.beta (set to 1.0 by "
-                             "this plugin when the recipe leaves it 0) only makes TRL compute the reference log-probs.")
+    kl_in_loss: bool = Field(True, description="With a non-zero args.beta: true (default, as before) keeps TRL's "
+                             "args.beta k3 KL term in the loss too; false drops it (the KL only in the reward). With "
+                             "args.beta 0 (TRL's default) there is no loss term either way: the plugin sets args.beta "
+                             "1.0 only so TRL computes the reference log-probs.")
 
 
-class ReinforcePP(Plugin):
+class ReinforcePP(RewardKLHooks, Plugin):
     """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262): critic-free token-level advantages.
 
     Token rewards ``r_t = 1[t = T] * R - beta * KL_t`` with ``KL_t`` from ``log pi_old - log pi_ref`` of the sampled
@@ -40,10 +40,10 @@ class ReinforcePP(Plugin):
     ``A_t = (G_t - mean) / std`` over the valid tokens of the *global* batch (all ranks; unbiased variance,
     ``sqrt(var + 1e-8)``; verl's masked_whiten). Returns ``(B, T)`` advantages for a PPO-clip objective.
 
-    Defaults (OpenRLHF): ``kl_coef`` 0.01, k1, gamma 1. Needs the reference log-probs, which the GRPO trainer computes
-    only when ``args.beta != 0``; by default that also adds TRL's ``beta * k3`` KL term to the loss (as before).
-    ``kl_in_loss: false`` keeps the KL only in the reward (the paper's form): the loss gets no KL term and the plugin
-    sets ``args.beta: 1.0`` itself when the recipe leaves it 0, only so TRL computes the reference. ``log pi_old`` is TRL's recorded old policy, or one no-grad forward pass of the unchanged policy when TRL
+    Defaults (OpenRLHF): ``kl_coef`` 0.01, k1, gamma 1. The reference log-probs are computed whenever ``kl_coef > 0``
+    (:class:`RewardKLHooks`): a recipe's non-zero ``args.beta`` also adds TRL's ``beta * k3`` KL term to the loss (as
+    before) unless ``kl_in_loss: false`` (the paper's form, the KL in the reward only); with ``args.beta`` 0 there is
+    no loss term and the plugin sets ``args.beta: 1.0`` only so TRL computes the reference. ``log pi_old`` is TRL's recorded old policy, or one no-grad forward pass of the unchanged policy when TRL
     did not record it. Unscorable rows count as reward 0 with KL only.
     """
 
@@ -51,22 +51,17 @@ class ReinforcePP(Plugin):
     family = "advantage"
     trainers = frozenset({"grpo"})
     slots = frozenset({Slot.ADVANTAGE})
-    needs = frozenset({Need.REFERENCE})
     Params = ReinforcePPParams
 
-    @hookimpl
-    def trl_ext_configure_args(self, trainer, args):
-        return None if self.params.kl_in_loss else reference_only_beta(args)
-
-    @hookimpl
-    def trl_ext_trainer_created(self, trainer):
-        if not self.params.kl_in_loss:
-            drop_loss_kl(trainer)
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.needs = self._reward_kl_needs()
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
         mask = batch.loss_mask  # completion tokens minus tool tokens, as the policy loss
-        kl = reward_kl(batch, self.params.kl_estimator, self.params.kl_clamp, "reinforce_pp/kl")
+        kl = (reward_kl(batch, self.params.kl_estimator, self.params.kl_clamp, "reinforce_pp/kl")
+              if self.params.kl_coef > 0 else None)
         per_token = token_rewards(torch.nan_to_num(local(rewards, batch)).float(), mask, kl, self.params.kl_coef)
         returns = discounted_returns(per_token, mask, self.params.gamma)
         return masked_whiten(returns, mask, rank_reduce(batch))

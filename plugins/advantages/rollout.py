@@ -78,9 +78,9 @@ def reward_kl(batch: RolloutBatch, estimator: str, clamp: float | None, metric: 
 
 
 def reference_only_beta(args: dict) -> dict | None:
-    """TRL computes reference log-probs only when ``args.beta != 0``; a plugin that folds the KL into the reward and
-    keeps it out of the loss sets ``beta: 1.0`` when the recipe leaves it 0 (the trainer's loss KL coefficient is then
-    0, see :meth:`trl_ext.ops.KLTerm.weight`), so no recipe needs a loss KL to get the reference."""
+    """TRL computes reference log-probs only when ``args.beta != 0``; a plugin that folds the KL into the reward sets
+    ``beta: 1.0`` when the recipe leaves it 0 (the trainer's loss KL coefficient is then 0, see
+    :func:`drop_loss_kl`), so no recipe needs a loss KL to get the reference."""
     return {"beta": 1.0} if not args.get("beta") else None
 
 
@@ -93,25 +93,34 @@ def drop_loss_kl(trainer) -> None:
 
 
 class RewardKLHooks:
-    """Mixin for advantage plugins whose KL to the reference is *optional* and folded into the reward (``rloo``,
-    ``remax``): params ``kl_coef`` (0 = off, the default) and ``kl_in_loss``. When the KL is on the plugin needs the
-    reference; with ``kl_in_loss: false`` it asks for ``args.beta: 1.0`` when the recipe leaves beta 0 (only so TRL
-    computes the reference) and drops the loss KL term; with ``kl_in_loss: true`` the recipe's ``args.beta`` KL loss
-    term stays as well (and must be non-zero, to get the reference)."""
+    """Mixin for the plugins that fold a KL to the reference into the reward (``ppo``, ``reinforce_pp``, ``rloo``,
+    ``remax``): params ``kl_coef`` (> 0: the KL is in the reward) and ``kl_in_loss``.
+
+    Whenever the KL is in the reward the plugin needs the reference, and gets it without a loss KL: when the recipe
+    leaves ``args.beta`` 0 (TRL's default) the plugin sets ``beta: 1.0`` only so TRL computes the reference, and drops
+    the loss term, since the recipe asked for none. With a non-zero ``args.beta``, ``kl_in_loss: true`` keeps TRL's
+    ``beta`` KL loss term as well and ``false`` drops it (the KL is then in the reward only). Subclasses that implement
+    the two hooks themselves call :meth:`_reward_kl_args` and :meth:`_reward_kl_trainer_created`."""
+
+    _beta_only_for_reference = False  # set by trl_ext_configure_args: the recipe's beta was 0
 
     def _reward_kl_needs(self) -> frozenset:
         from trl_ext import Need
 
         return frozenset({Need.REFERENCE}) if self.params.kl_coef > 0 else frozenset()
 
-    def _kl_only_in_reward(self) -> bool:
-        return self.params.kl_coef > 0 and not self.params.kl_in_loss
+    def _reward_kl_args(self, args: dict) -> dict | None:
+        self._beta_only_for_reference = self.params.kl_coef > 0 and not args.get("beta")
+        return reference_only_beta(args) if self.params.kl_coef > 0 else None
+
+    def _reward_kl_trainer_created(self, trainer) -> None:
+        if self.params.kl_coef > 0 and (self._beta_only_for_reference or not self.params.kl_in_loss):
+            drop_loss_kl(trainer)
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
-        return reference_only_beta(args) if self._kl_only_in_reward() else None
+        return self._reward_kl_args(args)
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
-        if self._kl_only_in_reward():
-            drop_loss_kl(trainer)
+        self._reward_kl_trainer_created(trainer)
