@@ -49,6 +49,7 @@ OLD, REF, MASK = [[-1.0, -0.5, NEG_INF]], [[-1.5, -0.5, NEG_INF]], [[1.0, 1.0, 0
     ("k1", None, [0.5, 0.0, 0.0]),  # k1 = d
     ("k2", None, [0.125, 0.0, 0.0]),  # k2 = d^2 / 2
     ("k3", None, [math.exp(-0.5) - 1 + 0.5, 0.0, 0.0]),  # k3 = e^-d - 1 + d = 0.1065306597
+    ("k3+", None, [math.exp(-0.5) - 1 + 0.5, 0.0, 0.0]),  # k3's value (its k2 gradient cannot act in a reward)
     ("k1", 0.3, [0.3, 0.0, 0.0]),  # clamped to [-0.3, 0.3]
 ])
 def test_masked_token_kl_by_hand(estimator, clamp, expected):

@@ -15,9 +15,11 @@ from trl_ext_plugins.advantages.math import Reduce, masked_token_kl
 class RewardKLParams(PluginParams):
     """The fields every KL-in-the-reward plugin shares (each declares its own ``kl_coef`` and ``kl_in_loss``)."""
 
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = Field(
         "k1", description="Per-token KL_t estimator with d = log pi_old - log pi_ref: k1 = d (OpenRLHF/TRL RLOO "
-        "default, can be negative), k2 = d^2/2, k3 = e^-d - 1 + d (verl 'kl', 'mse', 'low_var_kl').")
+        "default, can be negative), k2 = d^2/2, k3 = e^-d - 1 + d (verl 'kl', 'mse', 'low_var_kl'); k3+ (verl "
+        "'low_var_kl+') is accepted for recipes ported from verl and equals k3 here: no gradient flows through a "
+        "reward, so its straight-through k2 gradient has nothing to act on.")
     kl_clamp: float | None = Field(None, gt=0.0, description="Clamp each KL_t to [-c, c] before it enters the "
                                    "reward (verl clamps low_var_kl to 10; null: no clamp, OpenRLHF/TRL).")
 
