@@ -15,7 +15,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from test_fidelity_properties import SETTINGS, loss_inputs, micro_batch
 from test_losses import D, make_inputs
 from trl_ext import ops
 from trl_ext.catalog import Catalog
@@ -254,6 +257,26 @@ def test_weights_are_detached_and_finite_under_extremes():
         loss, _, _ = compose_loss(PluginHost([plugin]), li, loss_type="dapo", kl=ops.KLTerm("k3"))
         (grad,) = torch.autograd.grad(loss, li.per_token_logps)
         assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[~mask.bool()] == 0).all()
+
+
+GRID = [{"level": level, "mode": mode, "statistic": statistic, "lower": lower, "upper": upper, **drop}
+        for level, mode, statistic, lower, upper, _ in HAND
+        for drop in ([{}] if mode == "truncate" else [{}, {"drop_from_denominator": True}])]
+
+
+@SETTINGS
+@given(batch=micro_batch(), point=st.sampled_from(GRID), objective=st.sampled_from([None, GRPO(), CISPO()]),
+       loss_type=st.sampled_from(["bnpo", "dapo", "grpo", "dr_grpo"]), training=st.booleans())
+def test_every_grid_point_is_finite_under_legal_extremes(batch, point, objective, loss_type, training):
+    # the property suite's float32 batches: -inf at padding, log-probs down to -1e4, NaN rollout log-probs, all masked
+    mask, theta, old, rollout, ref, advantages = batch
+    li, leaf = loss_inputs(mask, theta, old, rollout, ref, advantages, 0.0, loss_type, training, 2)
+    plugins = [p for p in (objective, rc(**point)) if p is not None]
+    loss, _, _ = compose_loss(PluginHost(plugins), li, loss_type=loss_type, kl=ops.KLTerm("k3"))
+    assert torch.isfinite(loss), (point, loss)
+    (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    if grad is not None:
+        assert torch.isfinite(grad).all() and torch.all(grad[~mask.bool()] == 0), (point, grad)
 
 
 def test_plugin_is_registered_documented_and_logs_diagnostics():

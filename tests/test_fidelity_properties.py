@@ -28,6 +28,7 @@ from trl_ext_plugins.advantages.rloo import RLOO, RLOOParams
 from trl_ext_plugins.corrections.icepop import IcePop
 from trl_ext_plugins.corrections.m2po import M2PO, M2POParams
 from trl_ext_plugins.corrections.mis import MIS, MISParams
+from trl_ext_plugins.corrections.rollout_correction import RolloutCorrectionParams, UnifiedCorrection
 from trl_ext_plugins.corrections.rollout_ratio import RolloutRatio
 from trl_ext_plugins.corrections.tis import TIS, TISParams
 from trl_ext_plugins.losses.aggregation import AGGREGATIONS, Aggregation, AggregationParams
@@ -56,7 +57,11 @@ OBJECTIVES = [None, GRPO(), DrGRPO(), DAPO(), GSPO(), GSPO(GSPOParams(form="toke
               CEGPPO(CEGPPOParams(dual_clip=None)), ClipHigher(), REINFORCE(), RolloutRatio()]
 CORRECTIONS = [None, TIS(), TIS(TISParams(level="sequence")), MIS(), MIS(MISParams(level="sequence")),
                MIS(MISParams(level="geometric")), MIS(MISParams(drop_from_denominator=True)), IcePop(), M2PO(),
-               M2PO(M2POParams(scope="ppo_active"))]
+               M2PO(M2POParams(scope="ppo_active"))] + [
+    UnifiedCorrection(RolloutCorrectionParams(**p)) for p in (  # the grid: test_corrections_unified.py sweeps it all
+        {"statistic": "k2", "upper": 0.02, "drop_from_denominator": True}, {"level": "geometric", "statistic": "max"},
+        {"level": "sequence", "statistic": "sum", "lower": None, "upper": 3.0},
+        {"preset": "tis", "level": "geometric", "lower": 0.5})]
 AGGREGATION_PLUGINS = [None] + [Aggregation(AggregationParams(mode=m)) for m in AGGREGATIONS]
 
 LOGPS = st.sampled_from([0.0, -0.0, -1e-9, -1e-3, -0.7, -1.0, -5.0, -20.0, -21.0, -50.0, -100.0, -1e4])
