@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -99,3 +101,58 @@ class CheckpointCompletionCallback(TrainerCallback):
             tmp.write_text(json.dumps({"global_step": state.global_step}))
             os.replace(tmp, folder / CHECKPOINT_COMPLETE)
         PartialState().wait_for_everyone()
+
+
+@contextmanager
+def plugin_checkpoints_before_completion(trainer) -> Iterator[None]:
+    """Callbacks added inside the block (plugins' ``trl_ext_trainer_created``) run before
+    :class:`CheckpointCompletionCallback`.
+
+    Plugins add their own checkpoint callbacks (``partial_rollout``'s buffer, ``ppo``'s critic, ``warp``'s anchor,
+    :class:`PluginStateCheckpoint`) after the trainer was built with the completion callback; Trainer runs ``on_save``
+    in list order, so without this a kill between the marker and a plugin's file left a checkpoint marked complete
+    that lacks the file. The other callbacks keep their places.
+    """
+    handler = getattr(trainer, "callback_handler", None)  # trainers that train nothing (merge stages) have none
+    before = list(handler.callbacks) if handler is not None else []
+    yield
+    if handler is None:
+        return
+    added = [c for c in handler.callbacks if not any(c is b for b in before)]
+    rest = [c for c in handler.callbacks if not any(c is a for a in added)]
+    at = next((i for i, c in enumerate(rest) if isinstance(c, CheckpointCompletionCallback)), len(rest))
+    handler.callbacks[:] = rest[:at] + added + rest[at:]
+
+
+PLUGIN_STATE_DIR = "trl_ext_plugin_state"
+
+
+class PluginStateCheckpoint(TrainerCallback):
+    """Saves one plugin's JSON state with every checkpoint and restores it on every rank when training resumes.
+
+    For state that every rank holds identically (computed from gathered values, e.g. a moving-average baseline): the
+    main process writes ``checkpoint-N/trl_ext_plugin_state/<name>.json`` atomically (before the checkpoint is marked
+    complete, see :func:`plugin_checkpoints_before_completion`); on a resumed run every rank reads it back at
+    ``on_train_begin`` (Trainer has loaded the checkpoint's ``global_step`` by then). A plugin adds it in ``trl_ext_trainer_created``.
+    """
+
+    def __init__(self, name: str, get_state, set_state):
+        self.name, self.get_state, self.set_state = name, get_state, set_state
+
+    def _path(self, args, step: int) -> Path:
+        return Path(args.output_dir) / f"checkpoint-{step}" / PLUGIN_STATE_DIR / f"{self.name}.json"
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from trl_ext.runner import write_json_atomic
+
+            write_json_atomic(self._path(args, state.global_step), self.get_state())
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            return
+        path = self._path(args, state.global_step)
+        if not path.is_file():
+            raise FileNotFoundError(f"plugin {self.name!r}: resuming at step {state.global_step} but {path} is "
+                                    "missing; its state cannot be restored")
+        self.set_state(json.loads(path.read_text(encoding="utf-8")))

@@ -526,7 +526,8 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from trl_ext.callbacks import CheckpointCompletionCallback, MetricsJsonlCallback
+    from trl_ext.callbacks import (CheckpointCompletionCallback, MetricsJsonlCallback,
+                                   plugin_checkpoints_before_completion)
     from trl_ext.rewards import collect_reward_functions
     from trl_ext.tracking import StageReporting, heldout_logs, stage_run_name, tensorboard_dir, tensorboard_logging_dir
     from trl_ext.trainers import BuildContext
@@ -575,7 +576,8 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     with tensorboard_logging_dir(tensorboard_dir(ctx.output_dir, spec.name)):
         trainer = rs.kind.build(build)
     reporting = StageReporting(trainer).hold()  # report_to backends stay open for the held-out results
-    rs.host.hook.trl_ext_trainer_created(trainer=trainer)
+    with plugin_checkpoints_before_completion(trainer):  # plugins' checkpoint files precede the completion marker
+        rs.host.hook.trl_ext_trainer_created(trainer=trainer)
 
     evaluation = _load_eval(stage_dir)
     if spec.evaluation is not None and "before" not in evaluation:

@@ -40,7 +40,8 @@ def _group_mean(rewards, batch, plugin):
 
 def _moving_average(rewards, batch, plugin):
     baseline = torch.full_like(rewards, plugin.running_baseline)
-    plugin.running_baseline = ema_update(plugin.running_baseline, rewards, plugin.params.decay)
+    if batch.trainer is None or batch.trainer.model.training:  # evaluation batches do not move the training baseline
+        plugin.running_baseline = ema_update(plugin.running_baseline, rewards, plugin.params.decay)
     return baseline
 
 
@@ -58,8 +59,9 @@ class ReinforceBaseline(Plugin):
 
     Defaults: ``baseline: group_mean`` (TRL GRPO with ``scale_rewards: none`` gives the same numbers), EMA ``decay``
     0.9, ``initial`` 0. Unscorable rows are left out of the means and get advantage 0. The moving average is plugin
-    state kept identically on every rank (rewards are gathered); it is not saved in checkpoints, so a resumed run
-    restarts it from ``initial``.
+    state kept identically on every rank (rewards are gathered), updated by training batches only (evaluation uses
+    it without moving it); the main process saves it with every checkpoint and every rank restores it on resume
+    (:class:`trl_ext.callbacks.PluginStateCheckpoint`), so a resumed run continues the uninterrupted run's baseline.
     """
 
     name = "reinforce_baseline"
@@ -71,6 +73,19 @@ class ReinforceBaseline(Plugin):
     def __init__(self, params=None):
         super().__init__(params)
         self.running_baseline = self.params.initial
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        if self.params.baseline == "moving_average":
+            from trl_ext.callbacks import PluginStateCheckpoint
+
+            trainer.add_callback(PluginStateCheckpoint(self.name, self.baseline_state, self.load_baseline_state))
+
+    def baseline_state(self) -> dict:
+        return {"running_baseline": self.running_baseline}
+
+    def load_baseline_state(self, state: dict) -> None:
+        self.running_baseline = float(state["running_baseline"])
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):

@@ -1,0 +1,162 @@
+"""Per-process state of plugins across ranks and resumes (docs/distributed.md is the audit these tests back).
+
+Two ranks are simulated in one process: each rank is its own plugin instance with a fake trainer whose accelerator
+answers ``process_index`` / ``num_processes`` / ``reduce`` / ``gather`` as two gloo processes would (the collectives
+see both ranks' values, passed in by the test). The checkpoint-ordering test runs a real recipe on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_ext.batches import RolloutBatch
+from trl_ext.callbacks import CHECKPOINT_COMPLETE, PLUGIN_STATE_DIR, PluginStateCheckpoint
+from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline, ReinforceBaselineParams
+
+
+def fake_trainer(rank: int, world: int = 2, training: bool = True, others: dict | None = None):
+    """A trainer whose accelerator sums/gathers this rank's value with the other ranks' (``others[key]``)."""
+    others = others or {}
+
+    def reduce(t, reduction="sum"):
+        total = t + sum(others.get("reduce", []), torch.zeros_like(t))
+        return total / world if reduction == "mean" else total
+
+    accelerator = SimpleNamespace(process_index=rank, num_processes=world, is_main_process=rank == 0, reduce=reduce,
+                                  gather=lambda t: torch.cat([t, *others.get("gather", [])]) if rank == 0
+                                  else torch.cat([*others.get("gather", []), t]))
+    return SimpleNamespace(accelerator=accelerator, model=SimpleNamespace(training=training),
+                           state=SimpleNamespace(global_step=0), callbacks=[],
+                           add_callback=lambda cb: None)
+
+
+def rollout_batch(trainer, rewards: list[float], rank: int, world: int = 2, group: int = 2) -> RolloutBatch:
+    n = len(rewards)
+    per_rank = n // world
+    return RolloutBatch(rewards_per_func=torch.tensor(rewards).unsqueeze(1), reward_names=["r"],
+                        reward_weights=torch.ones(1), num_generations=group,
+                        process_slice=slice(rank * per_rank, (rank + 1) * per_rank),
+                        completion_ids=torch.zeros(per_rank, 1, dtype=torch.long),
+                        completion_mask=torch.ones(per_rank, 1), completion_lengths=torch.ones(n),
+                        prompts=[""] * per_rank, completions=[""] * per_rank, inputs=[{}] * per_rank, trainer=trainer)
+
+
+class Args(SimpleNamespace):
+    pass
+
+
+def saved_state(trainer, plugin):
+    """The PluginStateCheckpoint the plugin registers in trl_ext_trainer_created."""
+    added = []
+    trainer.add_callback = added.append
+    plugin.trl_ext_trainer_created(trainer=trainer)
+    (callback,) = [c for c in added if isinstance(c, PluginStateCheckpoint)]
+    return callback
+
+
+# -- reinforce_baseline's moving average: global by design, saved by rank 0, restored on every rank -------------------
+
+def test_moving_average_baseline_is_equal_on_both_ranks_and_resumes_on_every_rank(tmp_path):
+    params = ReinforceBaselineParams(baseline="moving_average", decay=0.5, initial=0.2)
+    batches = [[1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, math.nan, 1.0]]
+    ranks = [ReinforceBaseline(params), ReinforceBaseline(params)]
+    trainers = [fake_trainer(r) for r in range(2)]
+    for plugin, trainer, rank in zip(ranks, trainers, range(2)):
+        batch = rollout_batch(trainer, batches[0], rank)
+        plugin.trl_ext_compute_advantages(rewards=batch.rewards_per_func[:, 0], batch=batch)
+    # b <- 0.5 * 0.2 + 0.5 * mean(batch 0) = 0.1 + 0.25, on both ranks (the rewards are the gathered batch)
+    assert [p.running_baseline for p in ranks] == [pytest.approx(0.35)] * 2
+
+    args = Args(output_dir=str(tmp_path))
+    callbacks = [saved_state(t, p) for t, p in zip(trainers, ranks)]
+    callbacks[1].on_save(args, SimpleNamespace(global_step=2, is_world_process_zero=False), None)
+    path = tmp_path / "checkpoint-2" / PLUGIN_STATE_DIR / "reinforce_baseline.json"
+    assert not path.exists()  # rank 1 writes nothing
+    callbacks[0].on_save(args, SimpleNamespace(global_step=2, is_world_process_zero=True), None)
+    assert json.loads(path.read_text()) == {"running_baseline": pytest.approx(0.35)}
+
+    # A resumed run: fresh plugins on both ranks read rank 0's file and continue as the uninterrupted run does.
+    resumed = [ReinforceBaseline(params), ReinforceBaseline(params)]
+    for trainer, plugin in zip(trainers, resumed):
+        saved_state(trainer, plugin).on_train_begin(args, SimpleNamespace(global_step=2), None)
+    assert [p.running_baseline for p in resumed] == [pytest.approx(0.35)] * 2
+    for plugin, trainer, rank in zip(resumed, trainers, range(2)):
+        batch = rollout_batch(trainer, batches[1], rank)
+        advantages = plugin.trl_ext_compute_advantages(rewards=batch.rewards_per_func[:, 0], batch=batch)
+        expected = [0.0 if math.isnan(r) else r - 0.35 for r in batches[1][rank * 4:(rank + 1) * 4]]
+        torch.testing.assert_close(advantages, torch.tensor(expected))
+    # mean of the 7 scorable rewards of batch 1 is 6/7
+    assert [p.running_baseline for p in resumed] == [pytest.approx(0.5 * 0.35 + 0.5 * 6 / 7)] * 2
+
+
+def test_moving_average_baseline_is_not_moved_by_evaluation_batches():
+    plugin = ReinforceBaseline(ReinforceBaselineParams(baseline="moving_average", decay=0.5, initial=0.2))
+    trainer = fake_trainer(0, world=1, training=False)
+    batch = rollout_batch(trainer, [1.0, 1.0, 1.0, 1.0], 0, world=1)
+    advantages = plugin.trl_ext_compute_advantages(rewards=batch.rewards_per_func[:, 0], batch=batch)
+    torch.testing.assert_close(advantages, torch.full((4,), 0.8))  # evaluation uses the baseline ...
+    assert plugin.running_baseline == 0.2  # ... without moving it
+
+
+def test_other_baselines_keep_no_state_and_register_no_checkpoint():
+    added = []
+    trainer = fake_trainer(0)
+    trainer.add_callback = added.append
+    ReinforceBaseline(ReinforceBaselineParams(baseline="group_mean")).trl_ext_trainer_created(trainer=trainer)
+    assert added == []
+
+
+def test_resuming_without_the_state_file_names_the_plugin_and_the_file(tmp_path):
+    plugin = ReinforceBaseline(ReinforceBaselineParams(baseline="moving_average"))
+    callback = saved_state(fake_trainer(1), plugin)
+    with pytest.raises(FileNotFoundError, match=r"plugin 'reinforce_baseline': resuming at step 4 .*checkpoint-4"):
+        callback.on_train_begin(Args(output_dir=str(tmp_path)), SimpleNamespace(global_step=4), None)
+
+
+# -- the runner: plugins' checkpoint files are written before the checkpoint is marked complete --------------------
+
+def test_plugin_checkpoint_files_are_written_before_the_checkpoint_is_marked_complete(tmp_path):
+    from trl_ext import NoParams, Plugin, hookimpl
+    from trl_ext.recipe import parse_recipe
+    from trl_ext.runner import run_recipe
+    from trl_ext.testing import fresh_catalog
+    from trl_ext_plugins.trainers.sft import SFT
+
+    seen = []
+
+    class Probe(Plugin):
+        """Saves a state whose content is whether the checkpoint was already marked complete when it was saved."""
+
+        name = "state_probe"
+        Params = NoParams
+
+        @hookimpl
+        def trl_ext_trainer_created(self, trainer):
+            def state():
+                folder = tmp_path / "run" / "sft" / "checkpoints" / f"checkpoint-{trainer.state.global_step}"
+                seen.append((trainer.state.global_step, (folder / CHECKPOINT_COMPLETE).exists()))
+                return {"step": trainer.state.global_step}
+
+            trainer.add_callback(PluginStateCheckpoint(self.name, state, lambda s: None))
+
+    catalog = fresh_catalog()
+    for cls in (SFT, Probe):
+        catalog.add_plugin(cls)
+    recipe = parse_recipe({
+        "seed": 0, "trainer": "sft", "model": "embedded:tiny-qwen2", "name": "sft", "plugins": ["sft", "state_probe"],
+        "keep_checkpoints": True,
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 16},
+        "args": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 32, "save_steps": 1,
+                 "logging_steps": 1},
+    })
+    run_recipe(recipe, tmp_path / "run", catalog, echo=lambda _m: None)
+    assert seen == [(1, False), (2, False)]  # the marker came after the plugin's file, at every checkpoint
+    for step in (1, 2):
+        folder = tmp_path / "run" / "sft" / "checkpoints" / f"checkpoint-{step}"
+        assert (folder / CHECKPOINT_COMPLETE).is_file()
+        assert json.loads((folder / PLUGIN_STATE_DIR / "state_probe.json").read_text()) == {"step": step}
