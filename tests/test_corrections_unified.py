@@ -171,6 +171,12 @@ HAND = [
     ("sequence", "mask", "k2", None, 0.1, [[2.7] * 3, [0.0] * 2]),
     ("geometric", "mask", "k2", None, 0.1, [[GEO0] * 3, [0.0] * 2]),
     ("token", "mask", "k2", None, 0.05, [[0.0] * 3, [0.0] * 2]),
+    # reject: weight 1 where the statistic accepts (pure rejection sampling)
+    ("token", "reject", "ratio", 0.5, 2.0, [[1.0, 1.0, 1.0], [1.0, 0.0]]),
+    ("sequence", "reject", "sum", 0.5, 2.5, [[0.0] * 3, [1.0] * 2]),
+    ("geometric", "reject", "ratio", 0.5, 1.45, [[1.0] * 3, [0.0] * 2]),
+    ("token", "reject", "max", 0.5, 2.0, [[1.0] * 3, [0.0] * 2]),
+    ("geometric", "reject", "k2", None, 0.1, [[1.0] * 3, [0.0] * 2]),
 ]
 
 
@@ -180,7 +186,7 @@ def test_grid_point_by_hand(level, mode, statistic, lower, upper, expected):
     plugin = rc(level=level, mode=mode, statistic=statistic, lower=lower, upper=upper)
     got, metrics = valid_weights(plugin, ROWS)
     assert got == [pytest.approx(row, rel=1e-12) for row in expected]
-    if level == "token":  # changed tokens: those whose weight is not their own rho
+    if level == "token" and mode != "reject":  # changed tokens: those whose weight is not their own rho
         changed = sum(w != pytest.approx(r) for gw, rw in zip(expected, ROWS) for w, r in zip(gw, rw))
         assert metrics["rollout_correction/changed_fraction"] == pytest.approx(changed / 5)
 
@@ -336,9 +342,32 @@ def per_row(values, mask):
     # sequence truncate: min(prod rho, 1.5)
     ({"level": "sequence", "mode": "truncate", "lower": None, "upper": 1.5},
      lambda lr, m: (per_row(torch.clamp(torch.exp(lr.sum(-1, keepdim=True)), max=1.5), m), torch.ones_like(m))),
-], ids=["k2", "max", "geometric-sum-drop", "sequence-truncate"])
+    # pure rejection by the geometric mean in [0.8, 1.25], dropping the rejected rows (row 0: e^(0.8/3) = 1.31)
+    ({"level": "geometric", "mode": "reject", "lower": 0.8, "upper": 1.25, "drop_from_denominator": True},
+     lambda lr, m: (lambda keep: (per_row(keep, m), per_row(keep, m)))(
+         ((lambda g: (g >= 0.8) & (g <= 1.25))(torch.exp(lr.sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+                                                         .clamp(min=1)))).to(D))),
+], ids=["k2", "max", "geometric-sum-drop", "sequence-truncate", "geometric-reject-drop"])
 def test_conforms_to_the_formula(params, weight_and_keep):
     assert_conforms(rc(**params), conformance_reference(weight_and_keep), CONFORMANCE_CASES)
+
+
+def test_verl_geometric_rs_with_token_tis_is_tis_plus_reject_mode():
+    # verl decoupled_geo_rs_token_tis: w_t = min(rho_t, 2) on sequences whose geometric-mean pi_rollout/pi_old lies in
+    # [0.999, 1.001] (its seq_mean_k1 bounds); rejected sequences leave the denominator. Ours: tis + reject mode with
+    # the bounds inverted to rho = pi_old/pi_rollout: [1/1.001, 1/0.999].
+    rows = {**CONFORMANCE_BASE, "rollout": [[-0.7005, -0.9995, -0.1], [-1.4, -0.3, -0.7]]}  # row 0 geo 1.0, row 1 not
+    rows["mask"] = [[1, 1, 1], [1, 1, 0]]
+
+    def weight_and_keep(lr, m):
+        k1_mean = (-lr).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+        keep = ((k1_mean >= math.log(0.999)) & (k1_mean <= math.log(1.001))).to(D).expand_as(m)
+        return torch.clamp(torch.exp(lr), max=2.0), keep
+    assert_conforms(TIS(), conformance_reference(weight_and_keep), [rows], others=[rc(
+        level="geometric", mode="reject", lower=1 / 1.001, upper=1 / 0.999, drop_from_denominator=True)])
+    keep = weight_and_keep((torch.tensor(rows["old"], dtype=D) - torch.tensor(rows["rollout"], dtype=D))
+                           * torch.tensor(rows["mask"], dtype=D), torch.tensor(rows["mask"], dtype=D))[1]
+    assert keep[:, 0].tolist() == [1.0, 0.0]  # the case keeps one sequence and rejects the other
 
 
 # -- validation -------------------------------------------------------------------------------------------------------
@@ -361,9 +390,10 @@ def stage(params):
     ({"preset": "tis", "drop_from_denominator": True}, "drop_from_denominator", "nothing to drop"),
     ({"lower": None, "upper": None}, "upper", "at least one of lower and upper"),
     ({"level": "geometric_mean"}, "level", "'token', 'sequence' or 'geometric'"),
+    ({"mode": "reject", "statistic": "k2", "upper": 0.1, "lower": 0.01}, "lower", "only an upper threshold"),
     ({"threshold": 2.0}, "threshold", "not a parameter"),
 ], ids=["lower>upper", "k2-lower", "k2-no-upper", "negative-lower", "negative-upper", "unknown-preset",
-        "truncate-k2", "tis-max", "truncate-drop", "no-bound", "unknown-level", "unknown-field"])
+        "truncate-k2", "tis-max", "truncate-drop", "no-bound", "unknown-level", "reject-k2-lower", "unknown-field"])
 def test_illegal_combinations_refused_naming_the_field(params, field, words):
     with pytest.raises(RecipeError) as info:
         resolve_stage(stage(params), 0, Catalog.discover())

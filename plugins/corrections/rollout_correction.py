@@ -82,8 +82,9 @@ def correction_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, mo
     """(detached weight, changed flags) of the grid point; ``log_rho`` is 0 off the loss tokens.
 
     truncate: ``clamp(rho, lower, upper)``, changed where that differs from rho; mask: rho where not rejected, 0 where
-    rejected (``torch.where``), changed = rejected. rho is the level's ratio; the weight is ``(B, 1)`` at sequence
-    and geometric level and ``(B, T)`` at token level (a sequence rejection then zeroes every token of the row).
+    rejected (``torch.where``), changed = rejected; reject: 1 where not rejected, 0 where rejected (pure rejection
+    sampling), changed = rejected. rho is the level's ratio; the weight is ``(B, 1)`` at sequence and geometric level
+    and ``(B, T)`` at token level (a sequence rejection then zeroes every token of the row).
     """
     log_rho = log_rho.detach()
     rho = ops.safe_ratio(level_log_rho(log_rho, mask, level))
@@ -91,7 +92,8 @@ def correction_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, mo
         weight = math.truncated_weight(rho, lower, upper)
         return weight, weight != rho
     reject = rejected(log_rho, mask, level, statistic, lower, upper)
-    weight = torch.where(reject, torch.zeros_like(rho), rho)
+    kept = rho if mode == "mask" else torch.ones_like(rho)
+    weight = torch.where(reject, torch.zeros_like(rho), kept)
     return weight, reject.expand_as(weight)
 
 
@@ -107,9 +109,10 @@ class RolloutCorrectionParams(CorrectionParams):
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="The ratio the weight is: token rho_t = pi_old/pi_rollout; sequence prod_t rho_t (TRL "
         "sequence_* modes); geometric exp(mean_t log rho_t) per sequence (Geo-RS).")
-    mode: Literal["truncate", "mask"] = Field(
+    mode: Literal["truncate", "mask", "reject"] = Field(
         "mask", description="truncate: weight clamp(rho, lower, upper) (TIS; needs statistic ratio); mask: weight rho, "
-        "0 where the statistic rejects (MIS, IcePop; verl rejection sampling).")
+        "0 where the statistic rejects (MIS, IcePop; verl IS + RS); reject: weight 1, 0 where it rejects (pure "
+        "rejection sampling: verl rollout_rs without rollout_is, e.g. its geometric-RS presets).")
     statistic: Literal["ratio", "k2", "max", "sum"] = Field(
         "ratio", description="What is compared with the thresholds. ratio: the level's rho; sum: the sequence product "
         "exp(sum_t log rho_t); max: every token's rho_t (one token outside rejects its sequence); k2: the sequence mean "
@@ -118,7 +121,7 @@ class RolloutCorrectionParams(CorrectionParams):
                                 "none; with statistic k2 it defaults to null and is refused if given).")
     upper: float | None = Field(2.0, gt=0, validate_default=True, description="Upper bound, inclusive (null: none): a "
                                 "ratio for ratio/sum/max; the k2 threshold for k2 (then required, no default).")
-    drop_from_denominator: bool = Field(False, description="mask mode: false, a rejected token gets weight 0 and stays "
+    drop_from_denominator: bool = Field(False, description="mask/reject modes: false, a rejected token gets weight 0 and stays "
                                         "in the aggregation denominator (TRL, mis); true, it leaves it (verl's "
                                         "rejection mask).")
 
@@ -191,9 +194,13 @@ class UnifiedCorrection(RolloutCorrection):
       fengyao.notion.site/off-policy-rl; TRL ``*_truncate``; with ``lower: null`` upper-only as the blog, TRL and
       verl ``rollout_is_threshold``; truncated tokens stay in the denominator); ``mask``, weight rho where the
       statistic accepts and 0 where it rejects (MIS, "When Speed Kills Stability"; IcePop, Ring-1T arXiv 2510.18855 and
-      GLM-5 arXiv 2602.15763; TRL ``*_mask``). The weight stays rho (not 1) inside the band, as MIS/IcePop/TRL and
-      verl with ``rollout_is`` set; verl's RS-only presets (weight 1) are not expressed here.
-    * ``statistic`` (what decides a rejection; mask mode only): ``ratio``, the level's rho against [lower, upper]
+      GLM-5 arXiv 2602.15763; TRL ``*_mask``; verl with both ``rollout_is`` and ``rollout_rs``): the weight stays rho
+      inside the band; ``reject``, weight 1 where the statistic accepts and 0 where it rejects (pure rejection
+      sampling: verl ``rollout_rs`` without ``rollout_is``, e.g. its ``decoupled_geo_rs`` / ``bypass_pg_geo_rs``
+      presets with ``level: geometric, drop_from_denominator: true``). verl's presets that truncate IS weights *and*
+      reject by another statistic (``decoupled_geo_rs_token_tis``: token TIS at 2 plus geometric RS) are ``tis`` and
+      ``rollout_correction`` in ``reject`` mode selected together (their weights multiply; tested).
+    * ``statistic`` (what decides a rejection; mask and reject modes): ``ratio``, the level's rho against [lower, upper]
       (token, or whole sequence at sequence/geometric level; verl ``token_k1`` / ``seq_sum_k1`` / ``seq_mean_k1``,
       whose k1 = log(pi_rollout/pi_old) has the opposite sign: their bounds (l, u) are ours (1/u, 1/l)); ``sum``,
       the sequence product exp(sum_t log rho_t) against [lower, upper], so a token-level weight can be rejected by
@@ -204,7 +211,7 @@ class UnifiedCorrection(RolloutCorrection):
       is rejected when mean_t 0.5 (log rho_t)^2 > ``upper`` (verl ``seq_mean_k2``, log rho_t clamped to +-20 as
       verl). ratio/sum/max bounds are ratios, inclusive; k2 takes only ``upper`` (a lower k2 bound is refused).
       verl's k3 statistics and ``seq_sum_k2`` are not covered.
-    * ``drop_from_denominator`` (mask mode): false, rejected tokens get weight 0 and stay in the aggregation
+    * ``drop_from_denominator`` (mask and reject modes): false, rejected tokens get weight 0 and stay in the aggregation
       denominator (TRL's ``*_mask``, mis, icepop; default); true, they leave it (verl's ``modified_response_mask``).
 
     Defaults: ``preset: none`` with the mis grid (token, mask, ratio, [0.5, 2]). ``preset`` fills the fields not given
