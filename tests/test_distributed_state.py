@@ -160,3 +160,48 @@ def test_plugin_checkpoint_files_are_written_before_the_checkpoint_is_marked_com
         folder = tmp_path / "run" / "sft" / "checkpoints" / f"checkpoint-{step}"
         assert (folder / CHECKPOINT_COMPLETE).is_file()
         assert json.loads((folder / PLUGIN_STATE_DIR / "state_probe.json").read_text()) == {"step": step}
+
+
+# -- metrics: TRL logs rank 0's figures, so a plugin's figure must already cover every rank -------------------------
+
+def test_reward_kl_metric_is_the_token_mean_over_both_ranks():
+    from trl_ext_plugins.advantages.rollout import reward_kl
+
+    # k1 estimator: KL_t = log pi_old - log pi_ref. Rank 0: one loss token with KL 0.4; rank 1: three with KL 0.1.
+    per_rank = {0: ([[0.4, 0.0, 0.0]], [[1.0, 0.0, 0.0]]), 1: ([[0.1, 0.1, 0.1]], [[1.0, 1.0, 1.0]])}
+    logged = []
+    for rank in (0, 1):
+        other = per_rank[1 - rank]
+        other_totals = torch.tensor([sum(other[0][0][:int(sum(other[1][0]))]), sum(other[1][0])])
+        trainer = fake_trainer(rank, others={"reduce": [other_totals]})
+        batch = rollout_batch(trainer, [0.0, 0.0], rank, group=1)
+        kl_values, mask = per_rank[rank]
+        batch.completion_mask = torch.tensor(mask)
+        batch.old_per_token_logps = torch.tensor(kl_values)
+        batch.ref_per_token_logps = torch.zeros(1, 3)
+        reward_kl(batch, "k1", None, "ppo/kl")
+        logged.append(batch.metrics["ppo/kl"])
+    assert logged == [pytest.approx((0.4 + 3 * 0.1) / 4)] * 2  # one process on the same batch logs 0.175
+
+
+def test_multi_env_verifier_errors_are_counted_over_both_ranks():
+    from trl_ext_plugins.rollout.multi_env import MultiEnv
+
+    envs = [{"name": "add", "dataset": {"source": "embedded:arithmetic"}, "rewards": ["exact_match"]},
+            {"name": "mul", "dataset": {"source": "embedded:arithmetic"}, "rewards": ["exact_match"]}]
+    errors = {0: {"add": 0, "mul": 1}, 1: {"add": 2, "mul": 3}}
+    env_rows = {0: ["add", "mul"], 1: ["mul", "mul"]}
+    logged = []
+    for rank in (0, 1):
+        plugin = MultiEnv(MultiEnv.Params(environments=envs))
+        plugin.verifier_errors = dict(errors[rank])  # what this rank's routed verifiers counted
+        other = 1 - rank
+        trainer = fake_trainer(rank, others={
+            "reduce": [torch.tensor([float(errors[other]["add"]), float(errors[other]["mul"])])],
+            "gather": [torch.tensor([["add", "mul"].index(e) for e in env_rows[other]])]})
+        batch = rollout_batch(trainer, [1.0, 0.0, 1.0, 0.0], rank, group=1)
+        batch.inputs = [{"env": e} for e in env_rows[rank]]
+        plugin.trl_ext_filter_groups(rewards=batch.rewards_per_func[:, 0], batch=batch)
+        logged.append((batch.metrics["multi_env/add/verifier_errors"], batch.metrics["multi_env/mul/verifier_errors"],
+                       batch.metrics["multi_env/mul/share"]))
+    assert logged == [(2.0, 4.0, 0.75)] * 2  # every rank's count, on every rank

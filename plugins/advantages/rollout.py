@@ -68,14 +68,18 @@ def sampling_policy_logps(batch: RolloutBatch) -> torch.Tensor:
 def reward_kl(batch: RolloutBatch, estimator: str, clamp: float | None, metric: str) -> torch.Tensor:
     """Per-token KL of the sampling policy to the reference, ``(B, T)`` float32, on the loss tokens (0 elsewhere):
     the KL every KL-in-the-reward plugin (``ppo``, ``reinforce_pp``, ``rloo``, ``remax``) folds into its rewards.
-    Logs its token mean over this rank's loss tokens as ``metric``."""
+    Logs its token mean over every rank's loss tokens as ``metric`` (TRL logs rank 0's figures, so a rank's own mean
+    would report only its share of the batch)."""
     if batch.ref_per_token_logps is None:
         raise ValueError(f"{metric.split('/')[0]}: the KL in the reward needs the reference log-probs, which this "
                          "batch does not carry")
     mask = batch.loss_mask
     kl = masked_token_kl(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(), mask, estimator,
                          clamp)
-    batch.metrics[metric] = (kl.sum() / mask.sum().clamp(min=1.0)).item()
+    totals = torch.stack([kl.sum(), mask.sum().to(kl.dtype)])
+    reduce = rank_reduce(batch)
+    totals = totals if reduce is None else reduce(totals)
+    batch.metrics[metric] = (totals[0] / totals[1].clamp(min=1.0)).item()
     return kl
 
 

@@ -101,8 +101,8 @@ class MultiEnv(Plugin):
       match). The mixing weight sets the sampling share, not a reward multiplier; a reward plugin's own ``weight``
       stays its weight in the sum;
     * a verifier that raises is retried row by row; rows that still raise get ``None`` (no reward), are masked out of
-      the loss through ``trl_ext_filter_groups`` and counted in ``multi_env/<env>/verifier_errors``; the rest of the
-      batch trains normally;
+      the loss through ``trl_ext_filter_groups`` and counted in ``multi_env/<env>/verifier_errors`` (rows of every
+      rank since this process started: a resumed run counts from 0 again); the rest of the batch trains normally;
     * per generation batch it logs ``multi_env/<env>/share`` and ``multi_env/<env>/reward`` (mean total reward of the
       environment's scored rows, all ranks); held-out evaluation (greedy, each environment with its own rewards, main
       process) runs before and after the stage: ``multi_env_eval.json`` and a per-environment reward-curve plot
@@ -261,13 +261,17 @@ class MultiEnv(Plugin):
         local = torch.tensor([names.index(row[ENV_COLUMN]) for row in batch.inputs], device=rewards.device)
         trainer = batch.trainer
         envs = trainer.accelerator.gather(local) if trainer is not None else local
+        # Each rank scores (and counts the verifier errors of) its own rows; the logged count is every rank's.
+        errors = torch.tensor([float(self.verifier_errors[name]) for name in names], device=rewards.device)
+        if trainer is not None and trainer.accelerator.num_processes > 1:
+            errors = trainer.accelerator.reduce(errors, reduction="sum")
         for index, name in enumerate(names):
             rows = envs == index
             scored = rows & ~torch.isnan(rewards)
             batch.metrics[f"multi_env/{name}/share"] = rows.float().mean().item()
             if scored.any():
                 batch.metrics[f"multi_env/{name}/reward"] = rewards[scored].mean().item()
-            batch.metrics[f"multi_env/{name}/verifier_errors"] = float(self.verifier_errors[name])
+            batch.metrics[f"multi_env/{name}/verifier_errors"] = errors[index].item()
         return ~torch.isnan(rewards)
 
     # -- held-out evaluation ----------------------------------------------------------------------------------------
