@@ -18,6 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import test_losses_parity as parity
 from test_fidelity_properties import SETTINGS, loss_inputs, micro_batch
 from test_losses import D, make_inputs
 from trl_ext import ops
@@ -34,6 +35,7 @@ from trl_ext_plugins.corrections.mis import MIS, MISParams
 from trl_ext_plugins.corrections.rollout_correction import RolloutCorrectionParams, UnifiedCorrection
 from trl_ext_plugins.corrections.tis import TIS, TISParams
 from trl_ext_plugins.losses.cispo import CISPO
+from trl_ext_plugins.losses.dapo import DAPO
 from trl_ext_plugins.losses.grpo import GRPO
 
 
@@ -129,6 +131,19 @@ def test_presets_are_bit_identical_to_the_existing_plugins(params, existing):
             assert {k.split("/", 1)[1]: v for k, v in metrics1.items()} == \
                 {k.split("/", 1)[1]: v for k, v in metrics2.items()}
             assert metrics1 and all(k.startswith("rollout_correction/") for k in metrics1)
+
+
+@pytest.mark.parametrize("params, objective, trl_args, mode, lo, hi", [
+    ({"preset": "tis"}, GRPO(), {"loss_type": "grpo"}, "token_truncate", None, 2.0),
+    ({"preset": "tis", "level": "sequence", "upper": 3.0}, DAPO(), {"loss_type": "dapo", "epsilon_high": 0.28},
+     "sequence_truncate", None, 3.0),
+    ({"preset": "mis"}, GRPO(), {"loss_type": "grpo"}, "token_mask", 0.5, 2.0),
+    ({"level": "sequence", "lower": None, "upper": 3.0}, GRPO(), {"loss_type": "grpo"}, "sequence_mask", None, 3.0),
+    ({"preset": "icepop"}, CISPO(), {"loss_type": "cispo", "epsilon_high": 5.0}, "token_mask", 0.5, 2.0),
+], ids=["tis", "tis-seq-dapo", "mis", "mis-seq", "icepop-cispo"])
+def test_parity_with_trl_vllm_importance_sampling_modes(params, objective, trl_args, mode, lo, hi):
+    # TRL 1.16's own _compute_loss with its vLLM IS factor (tests/test_losses_parity.py's harness)
+    parity.test_correction_parity_with_trl_vllm_modes(rc(**params), objective, trl_args, mode, lo, hi)
 
 
 def test_batches_exercise_kept_changed_and_extreme_tokens():

@@ -115,15 +115,15 @@ class RolloutCorrectionParams(CorrectionParams):
         "rejection sampling: verl rollout_rs without rollout_is, e.g. its geometric-RS presets).")
     statistic: Literal["ratio", "k2", "max", "sum"] = Field(
         "ratio", description="What is compared with the thresholds. ratio: the level's rho; sum: the sequence product "
-        "exp(sum_t log rho_t); max: every token's rho_t (one token outside rejects its sequence); k2: the sequence mean "
-        "of 0.5 (log rho_t)^2 (upper only). ratio/sum/max bounds are in ratio units.", validate_default=True)
+        "exp(sum_t log rho_t); max: every token's rho_t (one token outside rejects its sequence); k2: the sequence "
+        "mean of 0.5 (log rho_t)^2 (upper only). ratio/sum/max bounds are in ratio units.", validate_default=True)
     lower: float | None = Field(0.5, ge=0, validate_default=True, description="Lower ratio bound, inclusive (null: "
                                 "none; with statistic k2 it defaults to null and is refused if given).")
     upper: float | None = Field(2.0, gt=0, validate_default=True, description="Upper bound, inclusive (null: none): a "
                                 "ratio for ratio/sum/max; the k2 threshold for k2 (then required, no default).")
-    drop_from_denominator: bool = Field(False, description="mask/reject modes: false, a rejected token gets weight 0 and stays "
-                                        "in the aggregation denominator (TRL, mis); true, it leaves it (verl's "
-                                        "rejection mask).")
+    drop_from_denominator: bool = Field(False, description="mask/reject modes: false, a rejected token gets weight 0 "
+                                        "and stays in the aggregation denominator (TRL, mis); true, it leaves it "
+                                        "(verl's rejection mask).")
 
     @model_validator(mode="before")
     @classmethod
@@ -189,17 +189,20 @@ class UnifiedCorrection(RolloutCorrection):
     rho_t = pi_old / pi_rollout per token (detached; +-20-clamped log space). The weight multiplies each token's loss:
 
     * ``level`` (the weight's ratio): ``token`` rho_t; ``sequence`` prod_t rho_t; ``geometric`` exp(mean_t log rho_t)
-      (Geo-RS, Liu, Li et al., richardli.xyz/rl-collapse part 3; verl ``rollout_rs: geometric``).
+      (Geo-RS, Liu, Li et al., richardli.xyz/rl-collapse part 3; verl's former ``rollout_rs: geometric``, now
+      ``seq_mean_k1``).
     * ``mode``: ``truncate``, weight ``clamp(rho, lower, upper)`` (TIS, Yao, Liu et al. 2025,
       fengyao.notion.site/off-policy-rl; TRL ``*_truncate``; with ``lower: null`` upper-only as the blog, TRL and
       verl ``rollout_is_threshold``; truncated tokens stay in the denominator); ``mask``, weight rho where the
       statistic accepts and 0 where it rejects (MIS, "When Speed Kills Stability"; IcePop, Ring-1T arXiv 2510.18855 and
-      GLM-5 arXiv 2602.15763; TRL ``*_mask``; verl with both ``rollout_is`` and ``rollout_rs``): the weight stays rho
-      inside the band; ``reject``, weight 1 where the statistic accepts and 0 where it rejects (pure rejection
-      sampling: verl ``rollout_rs`` without ``rollout_is``, e.g. its ``decoupled_geo_rs`` / ``bypass_pg_geo_rs``
-      presets with ``level: geometric, drop_from_denominator: true``). verl's presets that truncate IS weights *and*
-      reject by another statistic (``decoupled_geo_rs_token_tis``: token TIS at 2 plus geometric RS) are ``tis`` and
-      ``rollout_correction`` in ``reject`` mode selected together (their weights multiply; tested).
+      GLM-5 arXiv 2602.15763; TRL ``*_mask``; verl ``rollout_is`` plus ``rollout_rs`` at the same level when its IS
+      threshold is >= upper, so its truncation is a no-op inside the band): the weight stays rho inside the band;
+      ``reject``, weight 1 where the statistic accepts and 0 where it rejects (pure rejection sampling: verl
+      ``rollout_rs`` without ``rollout_is``, e.g. its ``decoupled_geo_rs`` / ``bypass_pg_geo_rs`` presets with
+      ``level: geometric, drop_from_denominator: true``). verl's presets that truncate IS weights *and* reject by a
+      statistic (``decoupled_geo_rs_token_tis``: token TIS at 2 plus geometric RS; verl's IS weights are always
+      truncated) are ``tis`` and ``rollout_correction`` in ``reject`` mode selected together (weights multiply;
+      tested).
     * ``statistic`` (what decides a rejection; mask and reject modes): ``ratio``, the level's rho against [lower, upper]
       (token, or whole sequence at sequence/geometric level; verl ``token_k1`` / ``seq_sum_k1`` / ``seq_mean_k1``,
       whose k1 = log(pi_rollout/pi_old) has the opposite sign: their bounds (l, u) are ours (1/u, 1/l)); ``sum``,
