@@ -205,3 +205,66 @@ def test_multi_env_verifier_errors_are_counted_over_both_ranks():
         logged.append((batch.metrics["multi_env/add/verifier_errors"], batch.metrics["multi_env/mul/verifier_errors"],
                        batch.metrics["multi_env/mul/share"]))
     assert logged == [(2.0, 4.0, 0.75)] * 2  # every rank's count, on every rank
+
+
+def test_partial_rollout_figures_cover_both_ranks_buffers():
+    from trl_ext_plugins.rollout.partial_rollout import PartialRollout, PendingGroup, Trajectory
+
+    def done(*versions):
+        return Trajectory(ids=[1] * len(versions), logps=[0.0] * len(versions), versions=list(versions), finished=True)
+
+    # step 3, G = 2. Rank 0: one finished group (versions {3}, {2, 3}), one group resumed, nothing left waiting,
+    # 5 decoding steps. Rank 1: a finished group ({3}, {3}) and an unfinished one that waits, 7 decoding steps.
+    states = {0: [done(3, 3), done(2, 3)], 1: [done(3), done(3), done(3), Trajectory(ids=[1], versions=[3])]}
+    buffers = {0: [], 1: [PendingGroup([{}, {}], states[1][2:])]}
+    resumed, steps = {0: 1, 1: 0}, {0: 5, 1: 7}
+    records = {}
+    for rank in (0, 1):
+        plugin = PartialRollout()
+        plugin.buffer, plugin._last_steps = buffers[rank], steps[rank]
+        other = 1 - rank
+        # the other rank's figures: buffered groups, resumed, trained, generated, sum of distinct versions,
+        # trained trajectories with tokens, staleness, decoding steps
+        other_local = {0: [0, 1, 2, 2, 1 + 2, 2, 3 - 2, 5], 1: [1, 0, 2, 4, 1 + 1, 2, 0, 7]}[other]
+        trainer = fake_trainer(rank, others={"gather": [torch.tensor(other_local, dtype=torch.float64)]})
+        trainer.accelerator.device = "cpu"
+        trainer.state.global_step = 3
+        records[rank] = plugin._record(trainer, states[rank], 2, resumed[rank])
+    expected = {"partial_rollout/buffer_groups": 1, "partial_rollout/resumed_trajectories": 1,
+                "partial_rollout/trained_fraction": pytest.approx(4 / 6),
+                "partial_rollout/versions_per_trajectory": pytest.approx((1 + 2 + 1 + 1) / 4),
+                "partial_rollout/staleness_max": 1, "partial_rollout/generation_steps": 7}
+    assert records[0] == expected and records[1] == expected
+
+
+def test_opd_figures_are_token_means_over_both_ranks(monkeypatch):
+    from trl_ext_plugins.distill import opd
+
+    class OneTeacher(opd._OPDBase):
+        name = "one_teacher"
+        Params = opd.OPDParams
+
+        def teacher_refs(self):
+            return {"t": "unused"}
+
+        def route(self, row):
+            return "t", 1.0
+
+    # Rank 0: one token, teacher -1.0, student -0.5 (gap -0.5). Rank 1: two tokens, teacher -2.0, student -1.0 (gap
+    # -1.0 each). One process on the same batch: reverse KL = (0.5 + 2 * 1.0) / 3, teacher log-prob = (-1 - 4) / 3.
+    tensors = {0: (torch.tensor([[-1.0, 0.0]]), torch.tensor([[-0.5, 0.0]]), torch.tensor([[1.0, 0.0]])),
+               1: (torch.tensor([[-2.0, -2.0]]), torch.tensor([[-1.0, -1.0]]), torch.tensor([[1.0, 1.0]]))}
+    other_totals = {0: torch.tensor([0.5, -1.0, 1.0]), 1: torch.tensor([2.0, -4.0, 2.0])}
+    logged = []
+    for rank in (0, 1):
+        teacher, student, mask = tensors[rank]
+        monkeypatch.setattr(opd, "teacher_logps_by_route", lambda *a, _t=teacher, **k: _t)
+        plugin = OneTeacher()
+        plugin.pool = object()  # teachers are not loaded: the patched scorer answers
+        trainer = fake_trainer(rank, others={"reduce": [other_totals[1 - rank]]})
+        batch = rollout_batch(trainer, [0.0, 0.0], rank, group=1)
+        batch.completion_mask, batch.old_per_token_logps = mask, student
+        batch.completion_ids = torch.zeros(1, 2, dtype=torch.long)
+        plugin.trl_ext_compute_advantages(rewards=batch.rewards_per_func[:, 0], batch=batch)
+        logged.append((batch.metrics["opd/reverse_kl"], batch.metrics["opd/teacher_logp"]))
+    assert logged == [(pytest.approx(2.5 / 3), pytest.approx(-5 / 3))] * 2

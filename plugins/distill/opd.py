@@ -31,7 +31,7 @@ from pydantic import Field, field_validator
 from trl_ext import Plugin, PluginParams, Slot, hookimpl
 from trl_ext.plugin import Need
 from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX
-from trl_ext_plugins.advantages.rollout import sampling_policy_logps
+from trl_ext_plugins.advantages.rollout import rank_reduce, sampling_policy_logps
 from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill import teachers as tch
 
@@ -160,8 +160,12 @@ class _OPDBase(Plugin):
         advantages = dm.combine_advantages(opd, task, self.params.alpha, self.params.coef)
         valid = mask.bool()
         gap = torch.where(valid, teacher - student, torch.zeros_like(student))
-        batch.metrics["opd/reverse_kl"] = (-(gap.sum()) / valid.sum().clamp(min=1)).item()
-        batch.metrics["opd/teacher_logp"] = (torch.where(valid, teacher, 0).sum() / valid.sum().clamp(min=1)).item()
+        # token means over every rank's tokens (TRL logs rank 0's metric buffers)
+        totals = torch.stack([-gap.sum(), torch.where(valid, teacher, 0).sum(), valid.sum().to(teacher.dtype)])
+        reduce = rank_reduce(batch)
+        totals = totals if reduce is None else reduce(totals)
+        batch.metrics["opd/reverse_kl"] = (totals[0] / totals[2].clamp(min=1)).item()
+        batch.metrics["opd/teacher_logp"] = (totals[1] / totals[2].clamp(min=1)).item()
         return advantages
 
 

@@ -107,7 +107,7 @@ class PartialRollout(Plugin):
       tools, continuous batching or multimodal prompts); it fills the ``generation`` and ``refill`` slots, so it does
       not combine with ``rollout_logprobs`` or ``dynamic_sampling``.
 
-    Logged per generation batch: ``partial_rollout/buffer_groups`` (groups waiting after this step),
+    Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
     ``partial_rollout/versions_per_trajectory`` (mean distinct policy versions per trained trajectory),
     ``partial_rollout/staleness_max`` (current step minus the oldest version of a trained token) and
@@ -165,18 +165,25 @@ class PartialRollout(Plugin):
         return output
 
     def _record(self, trainer, states, G, resumed_trajectories):
+        """The logged figures over every rank's generation batch (each rank buffers its own groups; TRL logs rank 0's
+        metric buffers, so the figures are combined here: counts summed, maxima taken, means over all trajectories)."""
         step = trainer.state.global_step
         trained = [s for start in range(0, len(states), G) if all(x.finished for x in states[start:start + G])
                    for s in states[start:start + G]]
         versions = [s.versions for s in trained if s.versions]
+        local = torch.tensor([len(self.buffer), resumed_trajectories, len(trained), len(states),
+                              sum(versions_per_trajectory(versions)), len(versions),
+                              max((step - min(v) for v in versions), default=0), self._last_steps],
+                             dtype=torch.float64, device=trainer.accelerator.device)
+        ranks = trainer.accelerator.gather(local).view(-1, local.numel()).cpu()
+        total, top = ranks.sum(0).tolist(), ranks.max(0).values.tolist()
         return {
-            "partial_rollout/buffer_groups": len(self.buffer),
-            "partial_rollout/resumed_trajectories": resumed_trajectories,
-            "partial_rollout/trained_fraction": len(trained) / len(states),
-            "partial_rollout/versions_per_trajectory": (sum(versions_per_trajectory(versions)) / len(versions)
-                                                        if versions else 1.0),
-            "partial_rollout/staleness_max": max((step - min(v) for v in versions), default=0),
-            "partial_rollout/generation_steps": self._last_steps,
+            "partial_rollout/buffer_groups": int(total[0]),
+            "partial_rollout/resumed_trajectories": int(total[1]),
+            "partial_rollout/trained_fraction": total[2] / total[3],
+            "partial_rollout/versions_per_trajectory": total[4] / total[5] if total[5] else 1.0,
+            "partial_rollout/staleness_max": int(top[6]),
+            "partial_rollout/generation_steps": int(top[7]),
         }
 
     # -- generation -------------------------------------------------------------------------------------------------
