@@ -192,6 +192,13 @@ HAND = [
     ("geometric", "reject", "ratio", 0.5, 1.45, [[1.0] * 3, [0.0] * 2]),
     ("token", "reject", "max", 0.5, 2.0, [[1.0] * 3, [0.0] * 2]),
     ("geometric", "reject", "k2", None, 0.1, [[1.0] * 3, [0.0] * 2]),
+    ("sequence", "reject", "ratio", 0.5, 2.5, [[0.0] * 3, [1.0] * 2]),
+    ("token", "reject", "sum", 0.5, 2.5, [[0.0] * 3, [1.0] * 2]),
+    ("geometric", "reject", "sum", 2.45, None, [[1.0] * 3, [0.0] * 2]),
+    ("sequence", "reject", "max", 0.5, 2.0, [[1.0] * 3, [0.0] * 2]),
+    ("geometric", "reject", "max", 0.85, None, [[1.0] * 3, [0.0] * 2]),
+    ("token", "reject", "k2", None, 0.05, [[0.0] * 3, [0.0] * 2]),
+    ("sequence", "reject", "k2", None, 0.1, [[1.0] * 3, [0.0] * 2]),
 ]
 
 
@@ -204,6 +211,17 @@ def test_grid_point_by_hand(level, mode, statistic, lower, upper, expected):
     if level == "token" and mode != "reject":  # changed tokens: those whose weight is not their own rho
         changed = sum(w != pytest.approx(r) for gw, rw in zip(expected, ROWS) for w, r in zip(gw, rw))
         assert metrics["rollout_correction/changed_fraction"] == pytest.approx(changed / 5)
+
+
+def test_hand_cases_cover_every_legal_grid_point():
+    levels, statistics = ("token", "sequence", "geometric"), ("ratio", "sum", "max", "k2")
+    legal = {(level, "truncate", "ratio") for level in levels} | {
+        (level, mode, statistic) for level in levels for mode in ("mask", "reject") for statistic in statistics}
+    assert {case[:3] for case in HAND} == legal
+    for level in levels:  # the other truncate points are refused (truncate clamps the ratio itself)
+        for statistic in statistics[1:]:
+            with pytest.raises(ValueError, match="takes statistic 'ratio'"):
+                RolloutCorrectionParams(level=level, mode="truncate", statistic=statistic, lower=None, upper=2.0)
 
 
 def test_k2_rejects_a_sequence_a_token_band_keeps():
