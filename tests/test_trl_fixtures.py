@@ -120,3 +120,17 @@ def test_trl_ext_matches_recorded_trl(case_id):
         lines = "; ".join(f"{what}: TRL recorded {desc}" for what, desc in problems)
         pytest.fail(f"trl-ext's path for {case_id} differs from TRL {doc['trl_version']}'s recorded numbers "
                     f"(tests/trl_fixtures/{family}.json, rtol {record['parity_rtol']}): {lines}", pytrace=False)
+
+
+def test_a_changed_number_is_caught_and_located():
+    """The comparison itself: a 1e-7 relative change of the loss or one gradient entry fails, naming where."""
+    case_id = "grpo/loss_type=dapo/epsilon_high=0.28/ext=dapo"
+    _, _, record = RECORDS[case_id]
+    loss, grads = CASES[case_id].run_trl(record["trl"], _inputs(case_id))
+    assert _compare(loss, grads, record, DRIFT_RTOL) == []
+    assert [what for what, _ in _compare(loss * (1 + 1e-7), grads, record, DRIFT_RTOL)] == ["loss"]
+    grad = grads["per_token_logps"].clone()
+    index = tuple(int(i) for i in torch.unravel_index(grad.abs().argmax(), grad.shape))
+    grad[index] *= 1 + 1e-7
+    (what, description), = _compare(loss, {"per_token_logps": grad}, record, DRIFT_RTOL)
+    assert what == "d loss/d per_token_logps" and description.startswith(f"at {list(index)} ")

@@ -748,5 +748,101 @@ def rloo_cases() -> list[Case]:
     return out
 
 
+# -- GRPO advantages: TRL GRPOTrainer._generate_and_score_completions vs the group_norm / reinforce plugins -----------
+
+AG = 12  # 3 prompts x 4 completions
+
+
+def advantage_inputs() -> dict:
+    """Rewards of 3 groups of 4: one with an unscorable row (null), one of equal rewards (zero std), one with a large
+    spread."""
+    return {"rewards": [1.0, 0.0, None, 0.25, 0.5, 0.5, 0.5, 0.5, 40.0, -3.0, 0.125, 7.0]}
+
+
+_GRPO_TRAINER = {}
+
+
+def grpo_trainer():
+    """One TRL GRPOTrainer on the embedded tiny model (built once; the case's fields are set on it per call)."""
+    if "trainer" not in _GRPO_TRAINER:
+        import atexit
+        import shutil
+        import tempfile
+
+        from transformers import AutoTokenizer
+        from trl import GRPOConfig, GRPOTrainer
+
+        from trl_ext.embedded.arithmetic import arithmetic_dataset
+        from trl_ext.embedded.models import materialize_model
+
+        root = tempfile.mkdtemp(prefix="trl-fixtures-grpo-")
+        atexit.register(shutil.rmtree, root, True)
+        model_dir = str(materialize_model("tiny-qwen2", f"{root}/model", seed=0))
+        config = GRPOConfig(output_dir=f"{root}/out", per_device_train_batch_size=AG, num_generations=4,
+                            max_completion_length=2, bf16=False, use_cpu=True, report_to="none",
+                            gradient_checkpointing=False, save_strategy="no")
+        _GRPO_TRAINER["trainer"] = GRPOTrainer(
+            model=model_dir, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=config,
+            train_dataset=arithmetic_dataset("train", format="prompt", size=8),
+            processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return _GRPO_TRAINER["trainer"]
+
+
+def run_trl_grpo_advantages(trl: dict, inputs: dict):
+    """TRL's own advantage code (inside _generate_and_score_completions) with generation, log-prob passes and reward
+    functions replaced by fixed values."""
+    trainer = grpo_trainer()
+    trainer.scale_rewards = trl["scale_rewards"]
+    eos = trainer.eos_token_ids[0]
+    trainer._generate = lambda prompts: ([[5, 6]] * len(prompts), [[7, eos]] * len(prompts), None,
+                                         ["c"] * len(prompts), None, {}, None, None)
+    trainer._get_per_token_logps_and_entropies = lambda *_, **__: (torch.zeros(AG, 2, dtype=D), None, None)
+    trainer._calculate_rewards = lambda *_: _rewards(inputs["rewards"]).unsqueeze(1)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([{"prompt": "1+1="}] * AG)
+    return out["advantages"].to(D), {}
+
+
+def _advantage_batch(rewards: torch.Tensor, group: int):
+    from trl_ext.batches import RolloutBatch
+
+    n = rewards.shape[0]
+    mask = torch.ones(n, 2, dtype=D)
+    return RolloutBatch(
+        rewards_per_func=rewards.unsqueeze(-1), reward_names=["r"], reward_weights=torch.ones(1, dtype=D),
+        num_generations=group, process_slice=slice(0, n), completion_ids=torch.zeros(n, 2, dtype=torch.long),
+        completion_mask=mask, completion_lengths=mask.sum(-1), prompts=["p"] * n, completions=[""] * n,
+        inputs=[{}] * n)
+
+
+def advantage_ext(plugin_fn: Callable):
+    def run(inputs):
+        rewards = _rewards(inputs["rewards"])
+        return plugin_fn().trl_ext_compute_advantages(rewards=rewards, batch=_advantage_batch(rewards, 4)).to(D), {}
+    return run
+
+
+def grpo_advantage_cases() -> list[Case]:
+    from trl_ext_plugins.advantages.group_norm import GroupNorm, GroupNormParams
+    from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline
+
+    note = ("the recorded 'loss' is the advantage vector (no gradient): TRL's GRPOTrainer builds it in "
+            "_generate_and_score_completions, run here with stubbed generation and rewards")
+    # TRL's trl.trainer.utils.nanstd computes Bessel's factor count / (count - 1) from integer tensors, i.e. in
+    # float32 (4/3 -> 1.3333333730697632), so its std of a 4-row group is off by ~1.5e-8 relative; trl-ext's float64
+    # std is exact, hence parity_rtol 1e-7 where a std divides.
+    bessel = "; TRL's nanstd applies Bessel's factor in float32 (~1.5e-8 relative), trl-ext's std is exact float64"
+    return [Case(f"grpo_advantages/scale_rewards={scale}/ext={name}", "grpo_advantages", {"scale_rewards": scale,
+                                                                                         "num_generations": 4},
+                 advantage_inputs, run_trl_grpo_advantages, advantage_ext(plugin),
+                 parity_rtol=1e-9 if scale == "none" else 1e-7, note=note + ("" if scale == "none" else bessel))
+            for scale, name, plugin in (
+                ("group", "group_norm", lambda: GroupNorm()),
+                ("batch", "group_norm[scale=batch]", lambda: GroupNorm(GroupNormParams(scale="batch"))),
+                ("none", "group_norm[scale=none]", lambda: GroupNorm(GroupNormParams(scale="none"))),
+                ("none", "reinforce_baseline[group_mean]", lambda: ReinforceBaseline()))]
+
+
 def all_cases() -> list[Case]:
-    return grpo_cases() + preference_cases() + reward_cases() + distill_cases() + rloo_cases()
+    return (grpo_cases() + preference_cases() + reward_cases() + distill_cases() + rloo_cases()
+            + grpo_advantage_cases())
