@@ -86,7 +86,8 @@ def grpo_inputs(seed: int = 0) -> dict:
     old = theta + torch.randn(B, T, generator=g, dtype=D) * 0.3
     old[0, 2] = theta[0, 2] - 2.5  # moderately large log-ratios, both signs
     old[2, 4] = theta[2, 4] + 3.0
-    sampling = old + torch.randn(B, T, generator=g, dtype=D) * 0.6
+    # TRL turns the sampling log-probs it receives into a float32 tensor; values exact in float32 keep the case exact
+    sampling = (old + torch.randn(B, T, generator=g, dtype=D) * 0.6).float().double()
     ref = theta + torch.randn(B, T, generator=g, dtype=D) * 0.5
     ref[2, 1] = theta[2, 1] + 2.0
     return {"theta": theta.tolist(), "old_per_token_logps": old.tolist(), "sampling_per_token_logps": sampling.tolist(),
@@ -137,20 +138,25 @@ def _grpo_batch(inputs: dict, keys=("old_per_token_logps",)) -> dict:
 
 
 def vllm_importance_sampling_ratio(trl: dict, x: dict) -> torch.Tensor:
-    """TRL 1.16's vLLM IS factor for ``vllm_importance_sampling_mode``, as GRPOTrainer._generate_and_score_completions
-    builds it inline (not callable on fixed inputs; tests/test_corrections_trainer.py checks trl-ext's corrections
-    against that inline code on a real rollout)."""
-    mode, lo, hi = (trl["vllm_importance_sampling_mode"], trl["vllm_importance_sampling_clip_min"],
-                    trl["vllm_importance_sampling_clip_max"])
-    diff = (x["old_per_token_logps"] - x["sampling_per_token_logps"]) * x["completion_mask"]
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=lo, max=hi)
-    lo = -math.inf if lo is None else lo
-    hi = math.inf if hi is None else hi
-    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+    """TRL 1.16's own vLLM IS factor for ``vllm_importance_sampling_mode``: GRPOTrainer._generate_and_score_completions
+    builds it inline, so that method runs on a real (tiny) GRPOTrainer with generation, log-prob passes and rewards
+    replaced by the case's tensors, and ``use_vllm`` / the IS fields set on it (no vLLM is needed or started)."""
+    mask = x["completion_mask"]
+    lengths = mask.sum(1).tolist()
+    trainer = grpo_trainer()
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode = trl["vllm_importance_sampling_mode"]
+    trainer.vllm_importance_sampling_clip_min = trl["vllm_importance_sampling_clip_min"]
+    trainer.vllm_importance_sampling_clip_max = trl["vllm_importance_sampling_clip_max"]
+    trainer.scale_rewards = "group"
+    try:
+        out = _stubbed_rollout(trainer, lengths, [0.0] * len(lengths), x["old_per_token_logps"],
+                               sampling=[row[:n] for row, n in zip(x["sampling_per_token_logps"].tolist(), lengths)])
+    finally:
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
+    if not torch.equal(out["completion_mask"], mask):
+        raise AssertionError("the stubbed generation did not reproduce the recorded completion mask")
+    return out["importance_sampling_ratio"]
 
 
 def run_trl_grpo(trl: dict, inputs: dict, compute=None):
@@ -281,8 +287,8 @@ def grpo_cases() -> list[Case]:
                    f"/ext={names}")
         cases.append(Case(case_id, "grpo_losses", trl_fields, grpo_inputs, run_trl_grpo,
                           grpo_ext(plugins, sampling=True),
-                          note="the IS factor is rebuilt from TRL's inline formula in _generate_and_score_completions "
-                               "(cases.vllm_importance_sampling_ratio); _compute_loss is TRL's own"))
+                          note="TRL's IS factor from GRPOTrainer._generate_and_score_completions (generation stubbed), "
+                               "then TRL's _compute_loss"))
     # no trl-ext correction: TRL's own vLLM correction (its default mode; the sequence ratios of these inputs lie in
     # [0.33, 1.74], so the bound 1.5 masks one) is kept under a loss plugin, and a correction plugin runs over TRL's
     # default objective when no objective plugin is selected
@@ -291,7 +297,8 @@ def grpo_cases() -> list[Case]:
     cases.append(Case("grpo/vllm_importance_sampling_mode=sequence_mask/clip=[None,1.5]/loss_type=grpo"
                       "/ext=grpo+trl-correction", "grpo_losses", {"loss_type": "grpo", **trl_is}, grpo_inputs,
                       run_trl_grpo, grpo_ext(lambda: [GRPO()], {"use_vllm": True}, trl_is=trl_is),
-                      note="TRL's vLLM IS factor (rebuilt from its inline formula) reaches both paths"))
+                      note="TRL's own vLLM IS factor (GRPOTrainer._generate_and_score_completions, generation "
+                           "stubbed) reaches both paths"))
     for loss_type, extra in (("dapo", {}), ("grpo", {}), ("dr_grpo", {})):
         trl_fields = {"loss_type": loss_type, **extra, "use_vllm": True,
                       "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": None,
@@ -779,7 +786,7 @@ def grpo_trainer():
         atexit.register(shutil.rmtree, root, True)
         model_dir = str(materialize_model("tiny-qwen2", f"{root}/model", seed=0))
         config = GRPOConfig(output_dir=f"{root}/out", per_device_train_batch_size=AG, num_generations=4,
-                            max_completion_length=2, bf16=False, use_cpu=True, report_to="none",
+                            max_completion_length=T, bf16=False, use_cpu=True, report_to="none",
                             gradient_checkpointing=False, save_strategy="no")
         _GRPO_TRAINER["trainer"] = GRPOTrainer(
             model=model_dir, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=config,
@@ -788,18 +795,25 @@ def grpo_trainer():
     return _GRPO_TRAINER["trainer"]
 
 
+def _stubbed_rollout(trainer, lengths, rewards, old_per_token_logps, sampling=None):
+    """TRL GRPOTrainer._generate_and_score_completions with its generation (completions of ``lengths`` tokens ending in
+    eos, the ``sampling`` log-probs a vLLM engine would return), log-prob passes (``old_per_token_logps``) and reward
+    functions (``rewards``, None = unscorable) replaced."""
+    eos = trainer.eos_token_ids[0]
+    n = len(lengths)
+    completions = [[7] * (k - 1) + [eos] for k in lengths]
+    trainer._generate = lambda prompts: ([[5, 6]] * n, completions, None, ["c"] * n, sampling, {}, None, None)
+    trainer._get_per_token_logps_and_entropies = lambda *_, **__: (old_per_token_logps, None, None)
+    trainer._calculate_rewards = lambda *_: _rewards(rewards).unsqueeze(1)
+    trainer.model.train()
+    return trainer._generate_and_score_completions([{"prompt": "1+1="}] * n)
+
+
 def run_trl_grpo_advantages(trl: dict, inputs: dict):
-    """TRL's own advantage code (inside _generate_and_score_completions) with generation, log-prob passes and reward
-    functions replaced by fixed values."""
+    """TRL's own advantage code (inside _generate_and_score_completions), generation and rewards stubbed."""
     trainer = grpo_trainer()
     trainer.scale_rewards = trl["scale_rewards"]
-    eos = trainer.eos_token_ids[0]
-    trainer._generate = lambda prompts: ([[5, 6]] * len(prompts), [[7, eos]] * len(prompts), None,
-                                         ["c"] * len(prompts), None, {}, None, None)
-    trainer._get_per_token_logps_and_entropies = lambda *_, **__: (torch.zeros(AG, 2, dtype=D), None, None)
-    trainer._calculate_rewards = lambda *_: _rewards(inputs["rewards"]).unsqueeze(1)
-    trainer.model.train()
-    out = trainer._generate_and_score_completions([{"prompt": "1+1="}] * AG)
+    out = _stubbed_rollout(trainer, [2] * AG, inputs["rewards"], torch.zeros(AG, 2, dtype=D))
     return out["advantages"].to(D), {}
 
 
