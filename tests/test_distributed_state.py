@@ -268,3 +268,132 @@ def test_opd_figures_are_token_means_over_both_ranks(monkeypatch):
         plugin.trl_ext_compute_advantages(rewards=batch.rewards_per_func[:, 0], batch=batch)
         logged.append((batch.metrics["opd/reverse_kl"], batch.metrics["opd/teacher_logp"]))
     assert logged == [(pytest.approx(2.5 / 3), pytest.approx(-5 / 3))] * 2
+
+
+# -- data a plugin samples or scores before training: built on the main process, the same rows on every rank --------
+
+class TwoRanks:
+    """accelerate's PartialState and broadcast_object_list for two ranks run one after the other in this process:
+    rank 0's broadcast is kept and handed to rank 1's."""
+
+    def __init__(self, monkeypatch):
+        import accelerate
+        import accelerate.utils
+
+        self.rank, self.sent = 0, None
+        ranks = self
+        monkeypatch.setattr(accelerate, "PartialState", lambda: SimpleNamespace(
+            num_processes=2, process_index=ranks.rank, is_main_process=ranks.rank == 0))
+        monkeypatch.setattr(accelerate.utils, "broadcast_object_list", self.broadcast)
+
+    def broadcast(self, box, from_process=0):
+        if self.rank == 0:
+            self.sent = list(box)
+        else:
+            box[:] = self.sent
+        return box
+
+
+def test_on_main_process_builds_once_and_every_rank_gets_the_main_result(monkeypatch):
+    from trl_ext_plugins.preference.generation import on_main_process
+
+    ranks, calls = TwoRanks(monkeypatch), []
+
+    def build():
+        calls.append(ranks.rank)
+        return {"rows": [1, 2, 3], "built_by": ranks.rank}
+
+    results = []
+    for rank in (0, 1):
+        ranks.rank = rank
+        results.append(on_main_process(build, "probe"))
+    assert calls == [0] and results == [{"rows": [1, 2, 3], "built_by": 0}] * 2
+
+    # every_rank_runs: both ranks run it (sharded models generate together), rank 0's result is kept, and a
+    # failure on rank 1 alone does not stop it
+    calls.clear()
+    results = []
+    for rank in (0, 1):
+        ranks.rank = rank
+        results.append(on_main_process(lambda: build() if ranks.rank == 0 else 1 / 0, "probe", every_rank_runs=True))
+    assert calls == [0] and results == [{"rows": [1, 2, 3], "built_by": 0}] * 2
+
+
+def test_on_main_process_failure_is_raised_on_every_rank_naming_the_plugin(monkeypatch):
+    from trl_ext_plugins.preference.generation import on_main_process
+
+    ranks = TwoRanks(monkeypatch)
+
+    def build():
+        raise ValueError("no sample accepted")
+
+    with pytest.raises(ValueError, match="no sample accepted"):
+        on_main_process(build, "rejection_sampling")
+    ranks.rank = 1
+    with pytest.raises(RuntimeError, match="rejection_sampling: the main process failed .*ValueError: no sample"):
+        on_main_process(build, "rejection_sampling")
+
+
+def test_rejection_sampling_round_one_is_sampled_on_the_main_process_and_shared(monkeypatch):
+    from datasets import Dataset
+
+    from trl_ext_plugins.distill import rejection_sampling as rs
+    from trl_ext_plugins.preference import generation as gen
+
+    ranks = TwoRanks(monkeypatch)
+    prompts = Dataset.from_list([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}])
+    stage = SimpleNamespace(model="unused-model-path")
+    kept = Dataset.from_list([{"prompt": "1+1=", "answer": "2", "completion": "2"}])
+    monkeypatch.setattr(gen, "resolve_model", lambda ref, who: ref)
+    monkeypatch.setattr(gen, "load_policy", lambda path: ("model", "tokenizer"))
+    monkeypatch.setattr(rs.RejectionSampling, "e_step",
+                        lambda self, model, tokenizer, round_index: (kept, {"round": round_index, "kept": 1}))
+    main = rs.RejectionSampling().trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)
+
+    ranks.rank = 1
+    monkeypatch.setattr(gen, "load_policy", lambda path: pytest.fail("rank 1 loaded the policy to sample"))
+    other_plugin = rs.RejectionSampling()
+    other = other_plugin.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)
+    assert other.to_list() == main.to_list() == kept.to_list()
+    assert other_plugin.history == [{"round": 1, "kept": 1}]
+
+
+def test_self_play_solver_rows_are_sampled_on_the_main_process_and_shared(monkeypatch):
+    from datasets import Dataset
+
+    from trl_ext_plugins.rollout.self_play import SelfPlay
+
+    ranks = TwoRanks(monkeypatch)
+    prompts = Dataset.from_list([{"prompt": "3+"}])
+    rows = [{"prompt": "3+4=", "answer": "7", "p_hat": 0.5}]
+    record = {"self_play/generated": 4, "self_play/valid": 2, "self_play/kept": 1}
+    monkeypatch.setattr(SelfPlay, "_solver_rows", lambda self, dataset, stage: (rows, record))
+    params = SelfPlay.Params(role="solver", partner="unused")
+    main = SelfPlay(params).trl_ext_prepare_dataset(dataset=prompts, split="train", stage=None)
+    ranks.rank = 1
+    monkeypatch.setattr(SelfPlay, "_solver_rows", lambda self, dataset, stage: pytest.fail("rank 1 sampled"))
+    plugin = SelfPlay(params)
+    assert plugin.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=None).to_list() == main.to_list()
+    assert plugin.history == [record]
+
+
+def test_prm_monte_carlo_labels_are_computed_on_the_main_process_and_shared(monkeypatch, tmp_path):
+    import tempfile
+
+    from datasets import Dataset
+
+    from trl_ext_plugins.rewards import prm, steps
+
+    ranks = TwoRanks(monkeypatch)
+    data = Dataset.from_list([{"prompt": "2+2=", "completions": ["a", "b"], "answer": "4"}])
+    stage = SimpleNamespace(trainer=prm.TRAINING)
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
+    monkeypatch.setattr(prm, "resolve_ref", lambda ref, run_dir: ref)
+    monkeypatch.setattr(steps, "transformers_completer", lambda folder, max_new_tokens: "completer")
+    monkeypatch.setattr(steps, "monte_carlo_step_labels", lambda *args: [1.0, 0.0])
+    params = prm.PRM.Params(label_source="mc_hard", completer="some-folder")
+    main = prm.PRM(params).trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
+    ranks.rank = 1
+    monkeypatch.setattr(steps, "transformers_completer", lambda *a: pytest.fail("rank 1 ran the rollouts"))
+    other = prm.PRM(params).trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
+    assert other.to_list() == main.to_list() and main["labels"] == [[1.0, 0.0]]

@@ -64,7 +64,9 @@ class RejectionSampling(Plugin):
     acceptance rate (accepted / (prompts x k), before cap and dedupe) and the kept count of every round go to the
     stage summary, ``<stage>/rejection_sampling.json`` and ``<stage>/rejection_sampling.png``. Defaults: 3 rounds,
     cap 10 (ReST-EM), dedupe on (RFT), ``k = 4`` (small for CPU; the paper used 32). A round with nothing accepted is
-    an error naming the round.
+    an error naming the round. On several processes the main process's round dataset is every rank's (sampling and
+    the verifier need not agree across ranks); round 1 is sampled on the main process only, later rounds on every rank
+    (a ZeRO-3/FSDP-sharded policy generates only with every rank taking part), keeping the main process's rows.
     """
 
     name = "rejection_sampling"
@@ -88,8 +90,9 @@ class RejectionSampling(Plugin):
                              f"(has: {', '.join(dataset.column_names)})")
         self._prompts = dataset.remove_columns([c for c in ("completion",) if c in dataset.column_names])
         self._base = gen.resolve_model(stage.model, self.name)
-        model, tokenizer = gen.load_policy(self._base)
-        data, figures = self.e_step(model, tokenizer, round_index=1)
+        # The main process samples and verifies; every rank trains on its rows (a verifier's timeouts or sampling need
+        # not agree across ranks).
+        data, figures = gen.on_main_process(lambda: self.e_step(*gen.load_policy(self._base), round_index=1), self.name)
         self.history = [figures]
         return data
 
@@ -127,7 +130,8 @@ class RejectionSampling(Plugin):
 
         for round_index in range(2, self.params.rounds + 1):
             model = trainer.accelerator.unwrap_model(trainer.model)
-            data, figures = self.e_step(model, trainer.processing_class, round_index)
+            data, figures = gen.on_main_process(lambda: self.e_step(model, trainer.processing_class, round_index),
+                                                self.name, every_rank_runs=True)
             self.history.append(figures)
             start = self._base if self.params.restart_from_base else model
             trainer = next_round_trainer(trainer, start, data, round_index)

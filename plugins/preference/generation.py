@@ -73,6 +73,44 @@ def cache_key(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def on_main_process(build: Callable[[], Any], who: str, every_rank_runs: bool = False) -> Any:
+    """``build()`` run on the main process only; its (picklable) result returned on every process.
+
+    For data a plugin samples or scores (generations, verifier or judge verdicts): the hook contract asks every rank to
+    end with the same rows, and sampling, timeouts or a remote judge need not agree across ranks when each rank builds
+    its own copy (and each would pay for it). ``every_rank_runs``: every rank runs ``build`` (a model sharded by
+    ZeRO-3 or FSDP generates only when every rank takes part) and the main process's result is kept. An exception on
+    the main process is raised there and, naming ``who``, on the other processes, which would otherwise wait for the
+    broadcast.
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.num_processes == 1:
+        return build()
+    from accelerate.utils import broadcast_object_list
+
+    box: list[Any] = [None]
+    failure = None
+    if not state.is_main_process and every_rank_runs:
+        try:
+            build()
+        except Exception:  # noqa: BLE001 - this rank's result is discarded: the main process's result (or error) decides
+            pass
+    if state.is_main_process:
+        try:
+            box = [("ok", build())]
+        except Exception as exc:  # re-raised below, after the other processes have heard of it
+            failure, box = exc, [("error", f"{type(exc).__name__}: {exc}")]
+    broadcast_object_list(box, from_process=0)
+    if failure is not None:
+        raise failure
+    kind, value = box[0]
+    if kind == "error":
+        raise RuntimeError(f"{who}: the main process failed building the data: {value}")
+    return value
+
+
 def cached_dataset(root: Path, key: str, build: Callable[[], Any]):
     """Load ``root/key`` if present, else build on the main process, save atomically, and load everywhere.
 

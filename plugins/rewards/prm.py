@@ -135,6 +135,9 @@ class PRM(Plugin):
       ``prm/judge/unparsable``, ``prm/judge/request_errors``, ``prm/judge/verdicts`` and a warning is logged. Cost: one
       judge call per step. A ``stage:`` judge is refused (labels are built before the stage starts).
 
+    ``mc_*`` and ``judge`` labels are built on the main process only and handed to every rank (rollouts and verdicts
+    need not agree across ranks).
+
     **Use as a reward** (GRPO/RLOO, ``path`` set). A completion is split at ``separator`` into steps, tokenized as in
     training (``prompt + step + sep + ...``), and the step probabilities sigmoid(logit) are aggregated by
     ``aggregation``: product (Lightman, default) or min, or the last step's score. Scores lie in [0, 1].
@@ -201,13 +204,23 @@ class PRM(Plugin):
 
         from trl_ext_plugins.rewards.steps import monte_carlo_step_labels, transformers_completer
 
+        from trl_ext_plugins.preference.generation import on_main_process
+
+        # Labelled on the main process only; every rank trains on its labels (rollouts and judge verdicts need not
+        # agree across ranks, and each rank would pay for its own). The judge's counts come along to every rank.
         if p.label_source == "judge":
-            return self._judge_labels(dataset)
-        folder = resolve_ref(p.completer, Path(tempfile.mkdtemp(prefix="prm-completer-")))
-        complete = transformers_completer(folder, p.max_new_tokens)
-        soft = p.label_source == "mc_soft"
-        return dataset.map(lambda row: {"labels": monte_carlo_step_labels(
-            row["prompt"], row["completions"], row["answer"], complete, p.rollouts, p.separator, soft)})
+            labelled, self.judge_summary = on_main_process(
+                lambda: (self._judge_labels(dataset), self.judge_summary), self.name)
+            return labelled
+
+        def monte_carlo():
+            folder = resolve_ref(p.completer, Path(tempfile.mkdtemp(prefix="prm-completer-")))
+            complete = transformers_completer(folder, p.max_new_tokens)
+            soft = p.label_source == "mc_soft"
+            return dataset.map(lambda row: {"labels": monte_carlo_step_labels(
+                row["prompt"], row["completions"], row["answer"], complete, p.rollouts, p.separator, soft)})
+
+        return on_main_process(monte_carlo, self.name)
 
     def _judge_labels(self, dataset):
         """``labels`` of every row from the judge (see :func:`steps.judge_step_labels`); the counts of verdicts,

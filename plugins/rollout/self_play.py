@@ -178,13 +178,26 @@ class SelfPlay(Plugin):
     def trl_ext_prepare_dataset(self, dataset, split, stage):
         if self.params.role != "solver" or split != "train":
             return None
+        if len(dataset) == 0:
+            raise ValueError(f"plugin {self.name!r}: the train dataset (the proposer's prompts) has no rows")
+        from trl_ext_plugins.preference.generation import on_main_process
+
+        # Sampled on the main process only; every rank trains on its rows (the hook wants the same rows on every rank,
+        # and sampling need not agree across ranks). The figures come along, so every rank's history is the same.
+        rows, record = on_main_process(lambda: self._solver_rows(dataset, stage), self.name)
+        self.history.append(record)
+        if not rows:
+            raise ValueError(f"plugin {self.name!r}: none of {record['self_play/valid']} well-formed problems lies in "
+                             f"the band |p_hat - 1/2| <= {self.params.delta}; widen delta or sample more")
         from datasets import Dataset
 
+        return Dataset.from_list(rows)
+
+    def _solver_rows(self, dataset, stage) -> tuple[list[dict], dict[str, float]]:
+        """The solver's rows (problems in the band, majority answers) and the figures of their making."""
         from trl_ext_plugins.preference.generation import load_policy, resolve_model, sample_completions
 
         p = self.params
-        if len(dataset) == 0:
-            raise ValueError(f"plugin {self.name!r}: the train dataset (the proposer's prompts) has no rows")
         prompts = [dataset[i % len(dataset)]["prompt"] for i in range(p.num_questions)]
         proposer, proposer_tokenizer = self._partner_model()
         completions = [row[0] for row in sample_completions(
@@ -199,8 +212,4 @@ class SelfPlay(Plugin):
         solver, solver_tokenizer = load_policy(resolve_model(stage.model, self.name))
         rows = solver_rows(questions, self.answers(solver, solver_tokenizer, questions, seed=p.seed + 1), p.delta)
         record = {"self_play/generated": len(prompts), "self_play/valid": len(questions), "self_play/kept": len(rows)}
-        self.history.append(record)
-        if not rows:
-            raise ValueError(f"plugin {self.name!r}: none of {len(questions)} well-formed problems lies in the band "
-                             f"|p_hat - 1/2| <= {p.delta}; widen delta or sample more")
-        return Dataset.from_list(rows)
+        return rows, record
