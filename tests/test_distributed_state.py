@@ -397,3 +397,32 @@ def test_prm_monte_carlo_labels_are_computed_on_the_main_process_and_shared(monk
     monkeypatch.setattr(steps, "transformers_completer", lambda *a: pytest.fail("rank 1 ran the rollouts"))
     other = prm.PRM(params).trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
     assert other.to_list() == main.to_list() and main["labels"] == [[1.0, 0.0]]
+
+
+# -- dynamic_sampling's refill prompts: the same on every rank, and the same after a resume ------------------------
+
+def test_dynamic_sampling_refill_after_resume_draws_what_the_uninterrupted_run_drew():
+    from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling
+
+    dataset = [{"prompt": f"p{i}", "answer": str(i)} for i in range(50)]
+    inputs = [dataset[0]] * 4  # this rank's generation batch: 2 prompts x G = 2
+
+    def trainer(rank, global_step, micro_steps_this_session):
+        return SimpleNamespace(train_dataset=dataset, num_generations=2, _step=micro_steps_this_session,
+                               args=SimpleNamespace(seed=3, gradient_accumulation_steps=4),
+                               state=SimpleNamespace(global_step=global_step),
+                               accelerator=SimpleNamespace(num_processes=2, process_index=rank))
+
+    plugin = DynamicSampling()
+    for rank in (0, 1):
+        # uninterrupted: optimizer step 6, second micro-step of its accumulation (TRL's _step = 6 * 4 + 1 = 25);
+        # resumed from checkpoint-5: TRL's _step restarted at 0 and is 4 + 1 = 5 by then
+        straight = plugin._new_rows(trainer(rank, 6, 25), inputs, 2)
+        resumed = plugin._new_rows(trainer(rank, 6, 5), inputs, 2)
+        assert resumed == straight
+    # the two ranks hold the two halves of one draw of 4 prompts (each repeated G = 2 times)
+    halves = [plugin._new_rows(trainer(rank, 6, 25), inputs, 2) for rank in (0, 1)]
+    prompts = [row["prompt"] for half in halves for row in half]
+    assert prompts[::2] == prompts[1::2] and len(set(prompts)) == 4
+    # a different step draws other prompts
+    assert plugin._new_rows(trainer(0, 7, 29), inputs, 2) != halves[0]

@@ -54,7 +54,9 @@ class DynamicSampling(Plugin):
       generation's);
     * new prompts are drawn from the trainer's ``train_dataset`` (a map-style dataset), uniformly without replacement
       within a round, from a generator seeded by ``(args.seed, trainer micro-step, round)``: the same prompts on every
-      rank, reproducible, independent of the data loader's position (refill prompts may repeat prompts seen elsewhere);
+      rank, reproducible (a resumed run draws what the uninterrupted run drew: the micro-step is counted from the
+      restored ``global_step``), independent of the data loader's position (refill prompts may repeat prompts seen
+      elsewhere);
     * the number of rounds is decided from the gathered keep mask, so every rank runs the same rounds; a refilled batch
       is merged through all-gathers of each rollout tensor and every rank keeps its own slice, so batch sizes do not
       change on any rank. Cost: each round runs TRL's whole scoring (generation, rewards, and the old-policy / reference
@@ -138,12 +140,24 @@ class DynamicSampling(Plugin):
             raise ValueError(f"plugin {self.name!r}: a generation of {n_prompts} prompts x {G} samples does not divide "
                              f"over {acc.num_processes} processes; choose params.round_prompts so that it does")
         per_rank = n_prompts * G // acc.num_processes
-        rng = np.random.default_rng([int(trainer.args.seed), int(trainer._step), round_index])
+        rng = np.random.default_rng([int(trainer.args.seed), micro_step(trainer), round_index])
         picks = rng.choice(len(dataset), size=n_prompts, replace=n_prompts > len(dataset)).tolist()
         columns = list(inputs[0])  # the columns the data loader delivered
         rows = [{key: row[key] for key in columns} for row in (dataset[i] for i in picks) for _ in range(G)]
         start = acc.process_index * per_rank
         return rows[start:start + per_rank]
+
+
+def micro_step(trainer) -> int:
+    """The trainer's micro-step counter as an uninterrupted run has it, also after a resume.
+
+    TRL's ``_step`` counts this session's micro-steps and restarts at 0 when training resumes from a checkpoint (its
+    ``global_step`` is restored, ``_step`` is not), so seeding with it would draw the first steps' prompts again. A
+    checkpoint lies on an optimizer-step boundary, so ``global_step`` accumulation steps plus this session's position
+    inside the current accumulation equals ``_step`` of the run that was never interrupted.
+    """
+    accumulation = int(trainer.args.gradient_accumulation_steps)
+    return int(trainer.state.global_step) * accumulation + int(trainer._step) % accumulation
 
 
 def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], num_generations: int,
