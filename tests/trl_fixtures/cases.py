@@ -3,8 +3,10 @@ the reference, and trl-ext's path for the same case.
 
 Used by ``record.py`` (writes TRL's numbers into the JSON files next to it) and ``tests/test_trl_fixtures.py``
 (recomputes TRL's numbers: drift; runs trl-ext's path against the recorded numbers: parity). TRL's code is called
-exactly as the live parity tests call it: its methods unbound on a minimal trainer-like object (the GRPO pattern of
-tests/test_losses_parity.py, extended to DPO/KTO/reward), its loss functions directly. Each case returns
+as the live parity tests call it: its loss methods unbound on a minimal trainer-like object (the GRPO pattern of
+tests/test_losses_parity.py, extended to DPO/KTO/reward), its loss functions and kernels directly, and the code TRL
+runs inline in ``_generate_and_score_completions`` (advantages, the vLLM importance-sampling factor) on a real tiny
+TRL trainer whose generation, log-prob passes and reward functions return the case's tensors. Each case returns
 ``(loss, {name: gradient})`` as float64 tensors; the gradient is taken w.r.t. the tensor the loss is differentiated
 through in training (per-token log-probs, sequence rewards, student hidden states).
 
