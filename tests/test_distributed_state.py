@@ -426,3 +426,34 @@ def test_dynamic_sampling_refill_after_resume_draws_what_the_uninterrupted_run_d
     assert prompts[::2] == prompts[1::2] and len(set(prompts)) == 4
     # a different step draws other prompts
     assert plugin._new_rows(trainer(0, 7, 29), inputs, 2) != halves[0]
+
+
+# -- self_judge's joint judge loss: baseline and token normaliser over every rank's verdicts ------------------------
+
+def test_self_judge_judge_advantages_and_normaliser_span_both_ranks():
+    from trl_ext_plugins.rewards.self_judge import SelfJudge, SelfJudgeParams
+
+    # Rank 0: one group of 3, verdict rewards [1, 0, 1, 0, 0, 0] (pair (0,1) consistent, (0,2) position-decided,
+    # (1,2) half unparsable), one verdict token each. Rank 1: one group of 2, pair consistent: rewards [1, 1], two
+    # verdict tokens each. One process on both groups: mean reward 4 / 8 = 0.5, N = 6 + 4 = 10 verdict tokens.
+    verdicts = {0: {(0, 1): 1.0, (1, 0): 0.0, (0, 2): 1.0, (2, 0): 1.0, (1, 2): None, (2, 1): 0.0},
+                1: {(0, 1): 1.0, (1, 0): 0.0}}
+    groups = {0: [[0, 1, 2]], 1: [[0, 1]]}
+    verdict_tokens = {0: 1, 1: 2}
+    totals = {0: torch.tensor([2.0, 6.0, 6.0], dtype=torch.float64), 1: torch.tensor([2.0, 2.0, 4.0],
+                                                                                    dtype=torch.float64)}
+    pending = {}
+    for rank in (0, 1):
+        plugin = SelfJudge(SelfJudgeParams(temperature=1.0, judge_loss_weight=1.0))
+        trainer = fake_trainer(rank, others={"reduce": [totals[1 - rank]]})
+        trainer.accelerator.device = "cpu"
+        plugin.judge.trainer = trainer
+        n_jobs = len(verdicts[rank])
+        plugin.judge.last_sequences = [([5, 6], [7] * verdict_tokens[rank]) for _ in range(n_jobs)]
+        plugin._record_judge_samples(groups[rank], [verdicts[rank]])
+        pending[rank] = plugin._pending
+    torch.testing.assert_close(pending[0]["advantages"], torch.tensor([0.5, -0.5, 0.5, -0.5, -0.5, -0.5],
+                                                                      dtype=torch.float64))
+    torch.testing.assert_close(pending[1]["advantages"], torch.tensor([0.5, 0.5], dtype=torch.float64))
+    # each rank divides by N / processes: averaging the two ranks' gradients gives the one-process 1 / N
+    assert pending[0]["tokens"] == pending[1]["tokens"] == 10 / 2

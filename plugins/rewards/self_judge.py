@@ -65,10 +65,13 @@ def verdict_rewards(verdicts: dict[tuple[int, int], float | None], jobs: list[tu
     return out
 
 
-def judge_advantages(rewards: torch.Tensor) -> torch.Tensor:
+def judge_advantages(rewards: torch.Tensor, mean: float | None = None) -> torch.Tensor:
     """Baseline-subtracted advantages over the judge samples of one generation batch: r - mean(r) (no std scaling,
-    so an all-consistent or all-inconsistent batch gives exactly zero)."""
-    return rewards - rewards.mean() if rewards.numel() else rewards
+    so an all-consistent or all-inconsistent batch gives exactly zero). ``mean``: the batch mean when ``rewards`` is
+    one rank's share of it."""
+    if not rewards.numel():
+        return rewards
+    return rewards - (rewards.mean() if mean is None else mean)
 
 
 def pack_judge_sequences(prompts: list[list[int]], verdicts: list[list[int]], pad_id: int
@@ -128,30 +131,31 @@ class SelfJudge(Plugin):
     policy: sequence = judge prompt (exactly the ids fed to ``generate``, chat template included) + sampled verdict
     tokens (up to and including the first EOS). Its reward is the swap consistency of its pair (1 when both orders
     name the same winner, 0 when the position decided or either order is unparsable; both verdicts of a pair share
-    it), its advantage ``A = r - mean(r)`` over all judge samples of this rank's generation batch (baseline only, no
-    std scaling). The term added to the loss, through ``trl_ext_extra_loss``, is plain REINFORCE
+    it), its advantage ``A = r - mean(r)`` over all judge samples of the generation batch, every rank's (baseline
+    only, no std scaling). The term added to the loss, through ``trl_ext_extra_loss``, is plain REINFORCE
 
         L_judge = -judge_loss_weight * (1 / N) * sum_i A_i * sum_t log pi_theta(verdict_i,t | prompt_i, verdict_i,<t)
 
-    with N the verdict tokens of the generation batch (token mean, as DAPO) and log pi computed with the logits
-    divided by ``temperature`` (the distribution the verdicts were sampled from, TRL's convention for completions)
-    and position ids counted over real tokens (as ``generate`` does). Gradient accumulation: the judge samples are
-    split in order into ``steps_per_generation`` chunks, one per training micro-batch of the generation batch, and
-    chunk k contributes ``-(sum over chunk k) / (N * grad_accum_steps / steps_per_generation)``, so one optimizer
-    step of a generation batch adds exactly L_judge (the core's ``global_token_mean`` scaling). Each chunk is used
-    once: with ``num_iterations`` > 1 only the first pass over a generation batch trains the judging (no importance
+    with N the verdict tokens of the generation batch on every rank (token mean, as DAPO) and log pi computed with the
+    logits divided by ``temperature`` (the distribution the verdicts were sampled from, TRL's convention for
+    completions) and position ids counted over real tokens (as ``generate`` does). Gradient accumulation: the judge
+    samples are split in order into ``steps_per_generation`` chunks, one per training micro-batch of the generation
+    batch, and chunk k contributes ``-(sum over chunk k) / (N * grad_accum_steps / steps_per_generation)``, so one
+    optimizer step of a generation batch adds exactly L_judge (the core's ``global_token_mean`` scaling). Each chunk is
+    used once: with ``num_iterations`` > 1 only the first pass over a generation batch trains the judging (no importance
     ratio or clipping here, so later passes would be off-policy). The forward runs the ``model`` the GRPO loss runs
     (``LossInputs.extra["model"]``, the DDP/DeepSpeed-wrapped module), so gradient synchronisation covers the term;
     ``trainer.model`` (unwrapped) is only a fallback for hosts that do not pass it. Logged: ``self_judge/judge_loss``
-    (token-mean REINFORCE loss of the chunk, unweighted), ``self_judge/judge_tokens``, ``self_judge/judge_reward``
-    (mean verdict reward of the batch). ``judge_loss_weight`` 0 leaves the GRPO loss untouched.
+    (token-mean REINFORCE loss of the chunk, unweighted), ``self_judge/judge_tokens``, ``self_judge/judge_reward`` (mean
+    verdict reward of the batch). ``judge_loss_weight`` 0 leaves the GRPO loss untouched.
 
     Limits / not protected: a degenerate judge that always names the same *answer content* regardless of quality is
     rewarded as consistent (consistency is no correctness signal; SERL relies on it only as a self-consistency
     regulariser); the judge sequences are forwarded in one batch per micro-batch (memory ~ G (G - 1) / steps per
-    generation sequences of judge-prompt length); with DDP each rank trains on its own judge samples and
-    normalises by its own N; the RLOO trainer has no loss seam, so joint training is refused there (use
-    ``judge_loss_weight: 0``); greedy judging (``temperature`` 0) is only allowed without joint training.
+    generation sequences of judge-prompt length); with several processes each rank trains on its own judge samples,
+    with the batch-wide mean and N (N / processes per rank, as gradients are averaged); the RLOO trainer has no
+    loss seam, so joint training is refused there (use ``judge_loss_weight: 0``); greedy judging (``temperature`` 0)
+    is only allowed without joint training.
     Cost: G (G - 1) policy generations of ``max_new_tokens`` per group per step, plus one forward/backward of those
     sequences when the judging is trained.
     """
@@ -200,14 +204,26 @@ class SelfJudge(Plugin):
         trainer = getattr(self.judge, "trainer", None)
         sequences = getattr(self.judge, "last_sequences", None)
         jobs = judging.pair_jobs(groups)
-        if (self.params.judge_loss_weight <= 0 or trainer is None or not trainer.model.training
-                or not sequences or len(sequences) != len(jobs)):
+        if self.params.judge_loss_weight <= 0 or trainer is None or not trainer.model.training:
             return []
-        judge_rewards = [r for g, a, b in jobs for r in verdict_rewards(verdicts[g], [(a, b)])]
+        usable = bool(sequences) and len(sequences) == len(jobs)
+        judge_rewards = [r for g, a, b in jobs for r in verdict_rewards(verdicts[g], [(a, b)])] if usable else []
+        # The baseline and the token normaliser span every rank's verdicts, as one process computes them on the same
+        # global batch (gradients are then averaged over ranks, hence tokens / processes). Every rank reaches this
+        # once per training generation batch, so the reduction is collective even for a rank with nothing usable.
+        totals = torch.tensor([sum(judge_rewards), len(judge_rewards),
+                               sum(len(s[1]) for s in sequences) if usable else 0], dtype=torch.float64)
+        accelerator = getattr(trainer, "accelerator", None)
+        world = accelerator.num_processes if accelerator is not None else 1
+        if world > 1:
+            totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
+        if not usable:
+            return []
         self._pending = {
             "prompts": [s[0] for s in sequences], "verdicts": [s[1] for s in sequences],
-            "advantages": judge_advantages(torch.tensor(judge_rewards, dtype=torch.float64)),
-            "tokens": sum(len(s[1]) for s in sequences), "cursor": 0,
+            "advantages": judge_advantages(torch.tensor(judge_rewards, dtype=torch.float64),
+                                           totals[0].item() / max(totals[1].item(), 1.0)),
+            "tokens": totals[2].item() / world, "cursor": 0,
         }
         return judge_rewards
 
