@@ -278,3 +278,24 @@ def test_dpo_nll_term_mean_or_sum_by_hand(normalization, expected_nll):
                               ref_rejected_logps=torch.tensor([-4.0], dtype=D), beta=0.1)
     loss = DPO(DPOParams(nll_weight=0.5, nll_normalization=normalization)).trl_ext_preference_loss(inputs=inputs)
     assert loss.item() == pytest.approx(math.log(2) + 0.5 * expected_nll, rel=1e-12)
+
+
+def test_dpo_nll_term_batch_token_mean_by_hand():
+    """TRL's 'sft' term: the chosen tokens' NLL summed over the micro-batch over their count, one value for all rows."""
+    from trl_ext.batches import PreferenceInputs
+    from trl_ext_plugins.preference.dpo import DPO, DPOParams
+
+    # chosen log pi = [-6 over 3 tokens, -1 over 1 token] -> 7 / 4 = 1.75 per row (per-row means would be 2 and 1);
+    # pi = pi_ref on both sides: DPO term ln 2 per row; alpha 0.5 -> ln 2 + 0.875 on each row
+    chosen = torch.tensor([-6.0, -1.0], dtype=D, requires_grad=True)
+    inputs = PreferenceInputs(chosen_logps=chosen, rejected_logps=torch.tensor([-4.0, -2.0], dtype=D),
+                              chosen_lengths=torch.tensor([3.0, 1.0], dtype=D),
+                              rejected_lengths=torch.tensor([2.0, 1.0], dtype=D),
+                              ref_chosen_logps=torch.tensor([-6.0, -1.0], dtype=D),
+                              ref_rejected_logps=torch.tensor([-4.0, -2.0], dtype=D), beta=0.1)
+    loss = DPO(DPOParams(nll_weight=0.5, nll_normalization="batch_token_mean")).trl_ext_preference_loss(inputs=inputs)
+    assert loss.tolist() == pytest.approx([math.log(2) + 0.875] * 2, rel=1e-12)
+    loss.mean().backward()
+    # d/d chosen_i of mean_i(-0.1 logsigmoid-term...) : DPO part -beta * sigmoid(0) / 2 = -0.025 per row; NLL part
+    # 0.5 * (-1 / 4) for each row's summed log-prob (each row's share of the batch-token mean), shared by both rows
+    assert chosen.grad.tolist() == pytest.approx([-0.025 - 0.125, -0.025 - 0.125], rel=1e-12)

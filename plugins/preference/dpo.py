@@ -16,10 +16,11 @@ class DPOParams(PluginParams):
         description="weight alpha of a length-normalised NLL term on the chosen response (Iterative RPO, arXiv "
                     "2404.19733); 0 is plain DPO",
     )
-    nll_normalization: Literal["mean", "sum"] = Field(
-        "mean", description="NLL of the chosen response per token (mean: -log pi(y_w)/|y_w|, Iterative RPO's "
-                            "length-normalised form) or summed over its tokens (sum: -log pi(y_w), TRL's 'sft' term in "
-                            "loss_type=['sigmoid', 'sft'])")
+    nll_normalization: Literal["mean", "sum", "batch_token_mean"] = Field(
+        "mean", description="NLL of the chosen response: mean: per sequence, -log pi(y_w)/|y_w| (Iterative RPO's "
+                            "length-normalised form); sum: per sequence, summed over its tokens, -log pi(y_w); "
+                            "batch_token_mean: one value per micro-batch, the chosen tokens' NLL summed over the batch "
+                            "over their count (TRL's 'sft' term in loss_type=['sigmoid', 'sft'], parity tested)")
 
 
 class DPO(PreferenceLoss):
@@ -33,9 +34,11 @@ class DPO(PreferenceLoss):
     ``nll_weight`` (default 0) adds ``alpha * (-log pi(y_w)/|y_w|)``, the per-token NLL of the chosen response, as in
     Iterative Reasoning Preference Optimization (Pang et al. 2024, arXiv 2404.19733). On self-generated pairs that
     share most tokens, plain DPO can lower the chosen response's likelihood along with the rejected one's
-    ("likelihood displacement"); the NLL term keeps the chosen answer likely. ``nll_normalization: sum`` uses the
-    summed NLL ``-log pi(y_w)`` instead, the convention of TRL's ``["sigmoid", "sft"]`` mix (which weights it by
-    ``loss_weights``); the default ``mean`` is the paper's per-token form.
+    ("likelihood displacement"); the NLL term keeps the chosen answer likely. Normalisations: ``mean`` (default,
+    the paper's per-token form, each sequence its own mean), ``sum`` (the summed ``-log pi(y_w)`` per sequence: long
+    answers weigh more) and ``batch_token_mean`` (TRL's ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1,
+    alpha]``: the mean over every chosen token of the micro-batch, so sequences weigh by their length; parity with
+    TRL is pinned in tests/trl_fixtures).
     """
 
     name = "dpo"
@@ -47,6 +50,16 @@ class DPO(PreferenceLoss):
         rejected = inputs.rejected_logps - inputs.ref_rejected_logps
         loss = ops.dpo_sigmoid_loss(chosen, rejected, inputs.beta)
         if self.params.nll_weight:
-            nll = -inputs.chosen_logps if self.params.nll_normalization == "sum" else -inputs.chosen_mean_logps
-            loss = loss + self.params.nll_weight * nll
+            loss = loss + self.params.nll_weight * chosen_nll(inputs, self.params.nll_normalization)
         return loss
+
+
+def chosen_nll(inputs, normalization: str):
+    """Per-sequence NLL of the chosen responses, ``(B,)``: ``mean`` -log pi(y_w)/|y_w|, ``sum`` -log pi(y_w), or
+    ``batch_token_mean`` the micro-batch's summed chosen NLL over its chosen-token count, the same for every row."""
+    if normalization == "sum":
+        return -inputs.chosen_logps
+    if normalization == "batch_token_mean":
+        per_batch = -inputs.chosen_logps.sum() / inputs.chosen_lengths.sum().clamp(min=1)
+        return per_batch.expand_as(inputs.chosen_logps)
+    return -inputs.chosen_mean_logps

@@ -336,10 +336,12 @@ def preference_inputs(seed: int = 1) -> dict:
             "ref_chosen_logps": ref[:P].tolist(), "ref_rejected_logps": ref[P:].tolist()}
 
 
-def _fused_outputs(leaf):
-    """The fields of TRL's fused-LM-head output that the loss code reads (metrics-only fields are zeros)."""
+def _fused_outputs(leaf, label_mask=None):
+    """The fields of TRL's fused-LM-head output that the loss code reads (metrics-only fields are zeros). Like the real
+    head (``trl.trainer.utils``' fused forward), positions outside ``label_mask`` are 0 with no gradient."""
     zeros = torch.zeros_like(leaf)
-    return types.SimpleNamespace(log_probs=leaf, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
+    log_probs = leaf if label_mask is None else leaf.masked_fill(~label_mask.bool(), 0.0)
+    return types.SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
                                  aux_loss=None)
 
 
@@ -368,7 +370,7 @@ def run_trl_dpo(trl: dict, inputs: dict):
     x = tensors(inputs)
     leaf = x["per_token_logps"].clone().requires_grad_(True)
     t = dpo_trainer_like(trl, leaf)
-    model = lambda **_: _fused_outputs(leaf)  # noqa: E731
+    model = lambda **_: _fused_outputs(leaf, x["completion_mask"][:, 1:])  # noqa: E731
     return _grad(DPOTrainer._compute_loss(t, model, _dpo_batch(x), False), {"per_token_logps": leaf})
 
 
@@ -384,7 +386,7 @@ def dpo_ext(plugin_fn: Callable, trl: dict):
         t.plugin_host = PluginHost([plugin_fn()])
         for name in ("_log_preference_metrics", "_log_plugin_metrics"):
             setattr(t, name, types.MethodType(getattr(ExtDPOTrainer, name), t))
-        model = lambda **_: _fused_outputs(leaf)  # noqa: E731
+        model = lambda **_: _fused_outputs(leaf, x["completion_mask"][:, 1:])  # noqa: E731
         return _grad(ExtDPOTrainer._compute_loss(t, model, _dpo_batch(x), False), {"per_token_logps": leaf})
     return run
 
@@ -526,6 +528,11 @@ def preference_cases() -> list[Case]:
             name = plugin().name + ("" if plugin().name != "apo" else f"[{plugin().params.variant}]")
             cases.append(Case(f"dpo/loss_type={loss_type[0]}/beta={beta}/ext={name}", "preference_losses", trl,
                               preference_inputs, run_trl_dpo, dpo_ext(plugin, trl)))
+    for alpha in (1.0, 0.3):  # DPO + NLL: TRL's sft term is the chosen tokens' mean over the micro-batch
+        trl = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, alpha], "beta": 0.1}
+        plugin = (lambda a=alpha: DPO(DPO.Params(nll_weight=a, nll_normalization="batch_token_mean")))
+        cases.append(Case(f"dpo/loss_type=sigmoid+sft/loss_weights=1,{alpha}/ext=dpo[nll batch_token_mean]",
+                          "preference_losses", trl, preference_inputs, run_trl_dpo, dpo_ext(plugin, trl)))
     for beta, gamma in ((0.1, 0.5), (2.0, 1.2)):
         trl = {"loss_type": "simpo", "beta": beta, "simpo_gamma": gamma, "cpo_alpha": 0.0, "alpha": 0.0,
                "label_smoothing": 0.0}
