@@ -457,3 +457,59 @@ def test_self_judge_judge_advantages_and_normaliser_span_both_ranks():
     torch.testing.assert_close(pending[1]["advantages"], torch.tensor([0.5, 0.5], dtype=torch.float64))
     # each rank divides by N / processes: averaging the two ranks' gradients gives the one-process 1 / N
     assert pending[0]["tokens"] == pending[1]["tokens"] == 10 / 2
+
+
+# -- two real processes (slow): a plugin's checkpointed state is restored on both ranks ------------------------------
+
+@pytest.mark.slow
+def test_two_processes_killed_and_resumed_continue_the_moving_average_baseline(tmp_path):
+    """GRPO on 2 gloo processes (DDP, fixed completions so runs are repeatable) with reinforce_baseline's moving
+    average, a checkpoint every step: killed while marking checkpoint-3, rerun from checkpoint-2. Rank 1 computes its
+    own advantages from its own copy of the baseline, so a baseline restored on rank 0 only (or on none) would change
+    the averaged gradient of step 3; the resumed run must end with the uninterrupted run's weights."""
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed_backends import FIXED_ROLLOUTS, _parameters
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({
+        "seed": 0, "name": "grpo", "trainer": "grpo", "model": "embedded:tiny-qwen2", "keep_checkpoints": True,
+        "distributed": {"num_processes": 2, "backend": "ddp"},
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 64},
+        "plugins": ["dapo", "fixed_rollouts", {"reinforce_baseline": {"baseline": "moving_average", "decay": 0.5}},
+                    {"python_reward": {"functions": f"{FIXED_ROLLOUTS}:completion_length"}}],
+        "args": {"max_steps": 3, "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8,
+                 "learning_rate": 0.1, "optim": "sgd", "logging_steps": 1, "save_strategy": "steps", "save_steps": 1,
+                 "gradient_checkpointing": False},
+    }))
+
+    def run(out, crash_at=None):
+        env = {k: v for k, v in os.environ.items() if k != "TRL_EXT_CRASH_AT"}
+        env["OMP_NUM_THREADS"] = "1"
+        if crash_at:
+            env["TRL_EXT_CRASH_AT"] = crash_at
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29641",
+                   str(FIXED_ROLLOUTS), "train", str(recipe), "--output-dir", str(out)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+    straight = run(tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run(tmp_path / "resumed", crash_at="checkpoint:3")  # checkpoint-3's files written, not yet marked
+    assert killed.returncode != 0 and not (tmp_path / "resumed" / "grpo" / "stage.json").exists()
+    resumed = run(tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "checkpoint-2" in resumed.stdout
+
+    def baselines(out):
+        rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+        return [row["advantages/baseline_mean"] for row in rows if "advantages/baseline_mean" in row]
+
+    assert len(baselines(tmp_path / "straight")) == 3 and baselines(tmp_path / "straight")[2] != 0.0
+    assert baselines(tmp_path / "resumed") == pytest.approx(baselines(tmp_path / "straight"), abs=1e-7)
+    state = tmp_path / "resumed" / "grpo" / "checkpoints" / "checkpoint-2" / PLUGIN_STATE_DIR / "reinforce_baseline.json"
+    assert json.loads(state.read_text())["running_baseline"] == pytest.approx(baselines(tmp_path / "straight")[2])
+    a, b = _parameters(tmp_path / "straight" / "grpo"), _parameters(tmp_path / "resumed" / "grpo")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-6, f"resumed run differs from the uninterrupted one by {worst:.3g}"
