@@ -513,3 +513,27 @@ def test_two_processes_killed_and_resumed_continue_the_moving_average_baseline(t
     a, b = _parameters(tmp_path / "straight" / "grpo"), _parameters(tmp_path / "resumed" / "grpo")
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst < 1e-6, f"resumed run differs from the uninterrupted one by {worst:.3g}"
+
+
+def test_routing_replay_mismatch_fractions_count_both_ranks_tokens():
+    from trl_ext_plugins.moe.routing_replay import RoutingReplay
+
+    # per layer: (own choice differs, compared, experts' input differs). Rank 0 compared 10 token-layer selections
+    # per layer, rank 1 30; one process on both ranks' tokens: layer 0 (1 + 9) / 40, layer 1 (0 + 3) / 40.
+    counts = {0: torch.tensor([[1, 10, 0], [0, 10, 0]]), 1: torch.tensor([[9, 30, 0], [3, 30, 0]])}
+    logged = []
+    for rank in (0, 1):
+        trainer = fake_trainer(rank, others={"reduce": [counts[1 - rank]]})
+        trainer.accelerator.device = "cpu"
+        trainer._metrics = {}
+        trainer._log_plugin_metrics = lambda m, _t=trainer: _t._metrics.update(m)
+        routing = SimpleNamespace(begin=lambda *a, **k: None, abort=lambda: None,
+                                  end=lambda mask, _c=counts[rank]: (None, _c))
+        with RoutingReplay()._pass(trainer, routing, None, "train", None, replay=True):
+            pass
+        logged.append(trainer._metrics)
+    for metrics in logged:
+        assert metrics["routing_replay/mismatch"] == pytest.approx(13 / 80)
+        assert metrics["routing_replay/mismatch/layer_0"] == pytest.approx(10 / 40)
+        assert metrics["routing_replay/mismatch/layer_1"] == pytest.approx(3 / 40)
+        assert metrics["routing_replay/replayed_mismatch"] == 0.0

@@ -82,7 +82,8 @@ class RoutingReplay(Plugin):
       the update forwards (``routing_replay/old_policy/...`` in the old-policy forward). With ``measure`` the forward
       runs its own routing, so this is exactly the mismatch without replay; under replay, a layer's own choice is the
       one its router makes on the replayed upstream states. ``routing_replay/replayed_mismatch`` compares what the
-      experts actually received with the recorded routes: exactly 0 under replay.
+      experts actually received with the recorded routes: exactly 0 under replay. On several processes the counts of
+      every rank are summed before the fractions are taken.
     * Rollout source: transformers generation (plain or through ``rollout_logprobs``, whose reduced-precision copy is
       captured too). vLLM in TRL 1.16 does not hand back routed experts, so R3 and ``measure`` are refused with
       ``use_vllm`` (R2 works); multi-turn tool calls and continuous batching are refused.
@@ -211,6 +212,9 @@ class RoutingReplay(Plugin):
         recorded, counts = routing.end(attention_mask)
         if record:
             self._old_routes = recorded
+        if trainer.accelerator.num_processes > 1:  # TRL logs rank 0's figures: count every rank's tokens
+            device = trainer.accelerator.device
+            counts = trainer.accelerator.reduce(counts.to(device), reduction="sum").cpu()
         trainer._log_plugin_metrics(mismatch_metrics(counts, phase, replay))
 
     # -- handing the routes to the loss micro-batches -----------------------------------------------------------------
