@@ -508,7 +508,8 @@ def test_two_processes_killed_and_resumed_continue_the_moving_average_baseline(t
 
     assert len(baselines(tmp_path / "straight")) == 3 and baselines(tmp_path / "straight")[2] != 0.0
     assert baselines(tmp_path / "resumed") == pytest.approx(baselines(tmp_path / "straight"), abs=1e-7)
-    state = tmp_path / "resumed" / "grpo" / "checkpoints" / "checkpoint-2" / PLUGIN_STATE_DIR / "reinforce_baseline.json"
+    checkpoint = tmp_path / "resumed" / "grpo" / "checkpoints" / "checkpoint-2"
+    state = checkpoint / PLUGIN_STATE_DIR / "reinforce_baseline.json"
     assert json.loads(state.read_text())["running_baseline"] == pytest.approx(baselines(tmp_path / "straight")[2])
     a, b = _parameters(tmp_path / "straight" / "grpo"), _parameters(tmp_path / "resumed" / "grpo")
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

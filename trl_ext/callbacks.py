@@ -133,7 +133,8 @@ class PluginStateCheckpoint(TrainerCallback):
     For state that every rank holds identically (computed from gathered values, e.g. a moving-average baseline): the
     main process writes ``checkpoint-N/trl_ext_plugin_state/<name>.json`` atomically (before the checkpoint is marked
     complete, see :func:`plugin_checkpoints_before_completion`); on a resumed run every rank reads it back at
-    ``on_train_begin`` (Trainer has loaded the checkpoint's ``global_step`` by then). A plugin adds it in ``trl_ext_trainer_created``.
+    ``on_train_begin`` (Trainer has loaded the checkpoint's ``global_step`` by then). A plugin adds it in
+    ``trl_ext_trainer_created``.
     """
 
     def __init__(self, name: str, get_state, set_state):

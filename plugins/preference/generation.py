@@ -95,7 +95,7 @@ def on_main_process(build: Callable[[], Any], who: str, every_rank_runs: bool = 
     if not state.is_main_process and every_rank_runs:
         try:
             build()
-        except Exception:  # noqa: BLE001 - this rank's result is discarded: the main process's result (or error) decides
+        except Exception:  # noqa: BLE001 - discarded: the main process's result (or error) decides
             pass
     if state.is_main_process:
         try:
