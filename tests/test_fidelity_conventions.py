@@ -378,8 +378,10 @@ def test_dynamic_sampling_round_size_must_divide_over_processes():
 
     from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling
 
-    trainer = SimpleNamespace(train_dataset=[{"prompt": "p"}] * 8, num_generations=2, args=SimpleNamespace(seed=0),
-                              _step=0, accelerator=SimpleNamespace(num_processes=4, process_index=0))
+    trainer = SimpleNamespace(train_dataset=[{"prompt": "p"}] * 8, num_generations=2,
+                              args=SimpleNamespace(seed=0, gradient_accumulation_steps=1), _step=0,
+                              state=SimpleNamespace(global_step=0),
+                              accelerator=SimpleNamespace(num_processes=4, process_index=0))
     with pytest.raises(ValueError, match="3 prompts x 2 samples does not divide over 4 processes"):
         DynamicSampling()._new_rows(trainer, [{"prompt": "p"}] * 2, 1, 3)
     assert len(DynamicSampling()._new_rows(trainer, [{"prompt": "p"}] * 2, 1, 6)) == 3  # 6 x 2 / 4 rows per rank
