@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trl_ext"
 # (new leaf helpers) are still covered by the no-cycle check.
 LAYERS = {
     # 0: leaves with no core dependency
-    "trl_ext.errors": 0, "trl_ext.faults": 0, "trl_ext.plugin": 0, "trl_ext.batches": 0, "trl_ext.ops": 0,
+    "trl_ext.errors": 0, "trl_ext.faults": 0, "trl_ext.files": 0, "trl_ext.plugin": 0, "trl_ext.batches": 0, "trl_ext.ops": 0,
     "trl_ext.embedded": 0, "trl_ext.evaluation": 0, "trl_ext.plotting": 0,
     # 1: the data the rest agrees on
     "trl_ext": 1, "trl_ext.hookspecs": 1, "trl_ext.recipe": 1,

@@ -145,7 +145,7 @@ class PluginStateCheckpoint(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            from trl_ext.runner import write_json_atomic
+            from trl_ext.files import write_json_atomic
 
             write_json_atomic(self._path(args, state.global_step), self.get_state())
 

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from trl_ext.errors import OutputDirError, RecipeError
 from trl_ext.faults import crash_point
+from trl_ext.files import write_json_atomic
 from trl_ext.recipe import (EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, resolve_run_refs, string_leaves,
                             validate_recipe)
 from trl_ext.stage import ResolvedStage, build_peft_config, evaluation_reward_plugins, resolve_stage  # noqa: F401
@@ -46,14 +47,6 @@ COMPLETE_MARKER = "stage.json"
 STARTED_MARKER = "started.json"
 LOCK_FILE = ".trl-ext.lock"
 FINAL_TMP = ".final-save"
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
-    crash_point(f"write:{path.name}")
-    os.replace(tmp, path)
 
 
 def resolve_recipe(recipe: Recipe, catalog, max_steps: int | None = None) -> list[ResolvedStage]:

@@ -158,7 +158,7 @@ def next_round_trainer(previous, model, dataset, round_index: int):
 def write_history(directory: Path, history: list[dict[str, Any]]) -> None:
     from matplotlib.figure import Figure
 
-    from trl_ext.runner import write_json_atomic
+    from trl_ext.files import write_json_atomic
 
     write_json_atomic(directory / "rejection_sampling.json", history)
     figure = Figure(figsize=(5, 3.5), layout="constrained")

@@ -284,7 +284,7 @@ class MultiEnv(Plugin):
     def trl_ext_after_stage(self, stage, output_dir, trainer):
         from accelerate import PartialState
 
-        from trl_ext.runner import write_json_atomic
+        from trl_ext.files import write_json_atomic
 
         after = self.evaluate(trainer)
         result = {env: {"before": self.before.get(env), "after": after[env]} for env in after}

@@ -92,7 +92,7 @@ class PassRateFilter(Plugin):
         """Each row's estimated pass rate, from the cache when the same model, prompts and settings were seen."""
         from accelerate import PartialState
 
-        from trl_ext.runner import write_json_atomic
+        from trl_ext.files import write_json_atomic
         from trl_ext_plugins.preference.generation import cache_key, cache_root, model_fingerprint, resolve_model
 
         path = resolve_model(model_ref, self.name)

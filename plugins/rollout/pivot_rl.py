@@ -120,7 +120,7 @@ class PivotRL(Plugin):
         """The K rewards of every turn's frozen-policy samples, from the cache when seen before."""
         from accelerate import PartialState
 
-        from trl_ext.runner import write_json_atomic
+        from trl_ext.files import write_json_atomic
         from trl_ext_plugins.preference.generation import (
             cache_key,
             cache_root,
