@@ -17,11 +17,10 @@ import json
 import resource
 import statistics
 import tempfile
-import time
 
 import psutil
 
-from measure import run_variants  # benchmarks/measure.py: `python benchmarks/X.py` puts it on sys.path
+from measure import run_variants, step_timer  # benchmarks/measure.py: `python benchmarks/X.py` puts it on sys.path
 
 VARIANTS = ("trl", "trl-ext")
 
@@ -29,24 +28,14 @@ VARIANTS = ("trl", "trl-ext")
 def run_once(variant, model_dir, steps):
     """Runs inside the fresh process: one training run of ``steps`` steps, (median step seconds, peak RSS growth)."""
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_ext.embedded.arithmetic import arithmetic_dataset, exact_match_reward
     from trl_ext.host import PluginHost
     from trl_ext.trainers.grpo import ExtGRPOTrainer
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self._start = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self._start)
-
     cls, extra = (trl.GRPOTrainer, {}) if variant == "trl" else (ExtGRPOTrainer, {"plugin_host": PluginHost([])})
-    timer = StepTimer()
+    timer = step_timer()
     with tempfile.TemporaryDirectory() as out:
         config = trl.GRPOConfig(output_dir=out, bf16=False, report_to="none", max_steps=steps, logging_steps=steps,
                                 save_strategy="no", seed=0, per_device_train_batch_size=32, num_generations=8,

@@ -26,8 +26,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from measure import step_timer  # benchmarks/measure.py, on sys.path when run as a script
 
 BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")
 TRAINERS = ("sft", "dpo", "grpo")
@@ -42,7 +43,7 @@ STAGES = {  # per trainer: dataset format, plugins, TRL arguments (per process: 
 def worker(variant: str, trainer_name: str, backend: str, model_dir: str, steps: int, out: str) -> None:
     """One rank of one job: build the trainer, train ``steps`` steps, rank 0 writes its timings to ``out``."""
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_ext.catalog import Catalog
     from trl_ext.embedded.arithmetic import arithmetic_dataset, exact_match_reward
@@ -51,23 +52,13 @@ def worker(variant: str, trainer_name: str, backend: str, model_dir: str, steps:
     from trl_ext.stage import resolve_stage
     from trl_ext.trainers import BuildContext
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self._start = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self._start)
-
     data_format, plugins, extra = STAGES[trainer_name]
     args = {**backend_args(backend, cuda=False), **extra, "max_steps": steps, "per_device_train_batch_size": 4,
             "learning_rate": 1e-4, "logging_steps": steps, "save_strategy": "no", "disable_tqdm": True}
     stage = StageSpec(trainer=trainer_name, model=model_dir, dataset="embedded:arithmetic", plugins=plugins, args=args)
     resolved = resolve_stage(stage, 0, Catalog.discover(), seed=0)
     init_cpu_deepspeed([resolved.args])
-    timer = StepTimer()
+    timer = step_timer()
     with tempfile.TemporaryDirectory() as tmp:
         config = resolved.build_config(tmp)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

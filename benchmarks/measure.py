@@ -60,3 +60,20 @@ def run_variants(script: str | Path, variants: list[str], args: list | tuple = (
                                  f"{proc.stderr[-3000:]}")
             results[variant].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return results
+
+
+def step_timer():
+    """A ``TrainerCallback`` whose ``.times`` holds each optimizer step's wall seconds (begin to end of the step)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._start)
+
+    return StepTimer()

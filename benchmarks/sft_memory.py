@@ -21,10 +21,9 @@ import json
 import resource
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from measure import run_variants  # benchmarks/measure.py, on sys.path when run as a script
+from measure import run_variants, step_timer  # benchmarks/measure.py, on sys.path when run as a script
 
 VARIANTS = ("trl", "trl-ext")
 
@@ -60,27 +59,17 @@ def run_once(variant: str, vocab: int, batch: int, tokens: int, steps: int) -> d
     """Runs inside the fresh process: one training run; (median step seconds, peak RSS growth, last loss)."""
     import psutil
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_ext.host import PluginHost
     from trl_ext.stage import default_args
     from trl_ext.trainers import TRAINER_KINDS, BuildContext
     from trl_ext_plugins.trainers.sft import SFT, SFTParams
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self._start = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self._start)
-
     tmp = Path(tempfile.mkdtemp(prefix="sft-mem-"))
     model_dir = _save_model(tmp / "model", vocab, tokens)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    timer = StepTimer()
+    timer = step_timer()
     config = trl.SFTConfig(output_dir=str(tmp / "out"), per_device_train_batch_size=batch, max_steps=steps,
                            learning_rate=1e-4, logging_steps=1, save_strategy="no", seed=0, max_length=tokens,
                            gradient_checkpointing=False, disable_tqdm=True,

@@ -38,6 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from measure import step_timer  # benchmarks/measure.py, on sys.path when run as a script
+
 VARIANTS = ("trl", "trl-ext")
 
 
@@ -56,23 +58,13 @@ def run_variant(variant: str, mode: str, model_dir: str, steps: int, batch: int,
                 server_port: int | None) -> dict:
     """Inside a fresh process: one GRPO run with vLLM; timings and the logged figures."""
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     from trl_ext.catalog import Catalog
     from trl_ext.embedded.arithmetic import arithmetic_dataset, exact_match_reward
     from trl_ext.recipe import StageSpec
     from trl_ext.stage import resolve_stage
     from trl_ext.trainers import BuildContext
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self._start = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self._start)
 
     args = {"use_vllm": True, "vllm_mode": mode, "bf16": True, "max_steps": steps, "logging_steps": 1,
             "per_device_train_batch_size": batch, "num_generations": generations, "max_completion_length": completion,
@@ -85,7 +77,7 @@ def run_variant(variant: str, mode: str, model_dir: str, steps: int, batch: int,
                       plugins=["grpo", "tis", "exact_match"] if variant == "trl-ext" else ["grpo", "exact_match"],
                       args=args)
     resolved = resolve_stage(stage, 0, Catalog.discover(), seed=0)
-    timer = StepTimer()
+    timer = step_timer()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = arithmetic_dataset("train", format="prompt", size=batch * steps * 2)
     with tempfile.TemporaryDirectory() as tmp:
