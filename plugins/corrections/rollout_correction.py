@@ -1,6 +1,6 @@
 """``rollout_correction``: the train/inference mismatch corrections as one family (issue 10).
 
-level {token, sequence, geometric} x mode {truncate, mask} x rejection statistic {ratio, k2, max, sum} x thresholds
+level {token, sequence, geometric} x mode {truncate, mask, reject} x rejection statistic {ratio, k2, max, sum} x
 {lower, upper}; ``tis``, ``mis`` and ``icepop`` are presets of it (bit-identical, tested).
 """
 
