@@ -1,7 +1,7 @@
 """``rollout_correction``: the train/inference mismatch corrections as one family (issue 10).
 
 level {token, sequence, geometric} x mode {truncate, mask, reject} x rejection statistic {ratio, k2, max, sum} x
-{lower, upper}; ``tis``, ``mis`` and ``icepop`` are presets of it (bit-identical, tested).
+thresholds {lower, upper}; ``tis``, ``mis`` and ``icepop`` are presets of it (bit-identical, tested).
 """
 
 from __future__ import annotations
