@@ -53,3 +53,20 @@ def test_sequence_normalisation_equals_the_formula_from_full_logits_without_buil
     assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6), (loss.item(), expected.item())
     assert model.config.vocab_size > chunk and unfused.rows >= inputs["input_ids"].numel()
     assert probe.rows == 0  # the fused head scored vocabulary tiles: no tensor as wide as the vocabulary existed
+
+
+def test_one_forward_per_micro_batch_whichever_path(tiny_model_dir, tmp_path):
+    """The default ``sft`` (token normalisation) keeps TRL's loss: the trainer must not run the fused-head forward,
+    learn that no plugin reduces the loss, and then run TRL's forward too (that doubled the forward: 1.3-1.5x steps)."""
+    for params, plugin_reduces in ((SFTParams(), False), (SFTParams(normalization="sequence"), True)):
+        trainer = _build("sft", tiny_model_dir, tmp_path / params.normalization, None, PluginHost([SFT(params)]), {})
+        inputs = _batch(trainer)
+        calls = []
+        handle = trainer.model.register_forward_hook(lambda *a: calls.append(1))
+        try:
+            trainer.compute_loss(trainer.model, dict(inputs))
+            trainer.compute_loss(trainer.model, dict(inputs))
+        finally:
+            handle.remove()
+        assert len(calls) == 2, (params.normalization, len(calls))
+        assert trainer.plugin_reduces_loss() is plugin_reduces

@@ -300,7 +300,8 @@ def trl_ext_aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, inp
     loss mask. The returned scalar must already
     account for gradient accumulation (``inputs.grad_accum_steps`` and ``inputs.num_items_in_batch`` are provided),
     because trl-ext, like TRL's GRPO trainer, scales the loss itself. Return ``None`` for TRL's aggregation for the
-    configured ``loss_type``.
+    configured ``loss_type``; whether it is ``None`` must follow from the plugin's configuration, not the batch (the SFT
+    trainer asks once, with a one-token probe, and then keeps TRL's own loss path).
 
     Selection: first non-``None`` result wins. Also used by the SFT trainer, where ``per_token_loss`` is the token NLL.
     Since 0.1.
