@@ -8,16 +8,12 @@ agree to ~1e-15). The plugin path is ``ExtGRPOTrainer._plugin_loss`` with the TR
 
 from __future__ import annotations
 
-import types
-from collections import defaultdict
-
 import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_ext.ops import KLTerm
+from tests.trl_fixtures.cases import grpo_trainer_like
 from trl_ext.host import PluginHost
-from trl_ext.trainers.grpo import ExtGRPOTrainer
 from trl_ext_plugins.corrections.icepop import IcePop
 from trl_ext_plugins.corrections.mis import MIS
 from trl_ext_plugins.corrections.tis import TIS
@@ -32,18 +28,6 @@ from trl_ext_plugins.losses.sapo import SAPO
 
 D = torch.float64
 B, T = 4, 6
-
-
-class OneProcess:
-    num_processes = 1
-
-    def gather(self, x):
-        return x
-
-    gather_for_metrics = gather
-
-    def reduce(self, x, reduction="sum"):
-        return x
 
 
 def batch(seed=0):
@@ -64,28 +48,9 @@ def batch(seed=0):
 
 
 def trainer_like(args, theta):
-    """The attributes TRL's _compute_loss and trl-ext's _plugin_loss read, with TRL's defaults overridden by ``args``."""
-    leaf = theta.clone().requires_grad_(True)
-    a = {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "importance_sampling_level": "token",
-         "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "beta": 0.0, **args}
-    t = types.SimpleNamespace(
-        loss_type=a["loss_type"], epsilon_low=a["epsilon"], epsilon_high=a["epsilon_high"] or a["epsilon"],
-        importance_sampling_level=a["importance_sampling_level"], beta=a["beta"], top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, use_vllm=a.get("use_vllm", False),
-        vllm_importance_sampling_correction=a.get("use_vllm", False), aux_loss_enabled=False,
-        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=2, max_completion_length=8, _loss_extra_keys=(),
-        accelerator=OneProcess(), model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)},
-        temperature=1.0,
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=2, top_k=0, top_p=1.0,
-                                   min_p=None,
-                                   sapo_temperature_pos=a["sapo_temperature_pos"],
-                                   sapo_temperature_neg=a["sapo_temperature_neg"]),
-        _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, torch.zeros_like(leaf), None),
-    )
-    t.kl_term = KLTerm("k3", bias_correction=t.args.use_bias_correction_kl)  # what ExtGRPOTrainer.__init__ sets
-    for name in ("_plugin_loss", "_masked_global_mean", "_log_plugin_metrics"):
-        setattr(t, name, types.MethodType(getattr(ExtGRPOTrainer, name), t))
-    return t, leaf
+    """The attributes TRL's _compute_loss and trl-ext's _plugin_loss read, with TRL's defaults overridden by ``args``
+    (gradient accumulation 2, 2 steps per generation, completions of 8: the TRL fixtures' trainer-like object)."""
+    return grpo_trainer_like(args, theta)
 
 
 def plugin_args(plugins):
