@@ -680,33 +680,39 @@ def _rewards(values) -> torch.Tensor:
     return torch.tensor([math.nan if v is None else v for v in values], dtype=D)
 
 
-_RLOO_TRAINER = {}
+_TRL_TRAINERS: dict[str, object] = {}
 
 
-def rloo_trainer():
-    """One TRL RLOOTrainer on the embedded tiny model (built once; the case's fields are set on it per call)."""
-    if "trainer" not in _RLOO_TRAINER:
+def tiny_trl_trainer(kind: str, **config):
+    """One TRL ``RLOOTrainer`` or ``GRPOTrainer`` (``kind`` "rloo" / "grpo") on the embedded tiny model, built once
+    per kind with a zero reward; each case sets its own fields on it per call."""
+    if kind not in _TRL_TRAINERS:
         import atexit
         import shutil
         import tempfile
 
+        import trl
         from transformers import AutoTokenizer
-        from trl import RLOOConfig, RLOOTrainer
 
         from trl_ext.embedded.arithmetic import arithmetic_dataset
         from trl_ext.embedded.models import materialize_model
 
-        root = tempfile.mkdtemp(prefix="trl-fixtures-rloo-")
+        config_cls, trainer_cls = {"rloo": (trl.RLOOConfig, trl.RLOOTrainer),
+                                   "grpo": (trl.GRPOConfig, trl.GRPOTrainer)}[kind]
+        root = tempfile.mkdtemp(prefix=f"trl-fixtures-{kind}-")
         atexit.register(shutil.rmtree, root, True)
         model_dir = str(materialize_model("tiny-qwen2", f"{root}/model", seed=0))
-        config = RLOOConfig(output_dir=f"{root}/out", per_device_train_batch_size=RG, num_generations=4,
-                            max_completion_length=RT, bf16=False, use_cpu=True, report_to="none", beta=0.0,
-                            gradient_checkpointing=False, save_strategy="no")
-        _RLOO_TRAINER["trainer"] = RLOOTrainer(
-            model=model_dir, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=config,
+        args = config_cls(output_dir=f"{root}/out", num_generations=4, bf16=False, use_cpu=True, report_to="none",
+                          gradient_checkpointing=False, save_strategy="no", **config)
+        _TRL_TRAINERS[kind] = trainer_cls(
+            model=model_dir, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
             train_dataset=arithmetic_dataset("train", format="prompt", size=8),
             processing_class=AutoTokenizer.from_pretrained(model_dir))
-    return _RLOO_TRAINER["trainer"]
+    return _TRL_TRAINERS[kind]
+
+
+def rloo_trainer():
+    return tiny_trl_trainer("rloo", per_device_train_batch_size=RG, max_completion_length=RT, beta=0.0)
 
 
 def run_trl_rloo(trl: dict, inputs: dict):
@@ -775,33 +781,8 @@ def advantage_inputs() -> dict:
     return {"rewards": [1.0, 0.0, None, 0.25, 0.5, 0.5, 0.5, 0.5, 40.0, -3.0, 0.125, 7.0]}
 
 
-_GRPO_TRAINER = {}
-
-
 def grpo_trainer():
-    """One TRL GRPOTrainer on the embedded tiny model (built once; the case's fields are set on it per call)."""
-    if "trainer" not in _GRPO_TRAINER:
-        import atexit
-        import shutil
-        import tempfile
-
-        from transformers import AutoTokenizer
-        from trl import GRPOConfig, GRPOTrainer
-
-        from trl_ext.embedded.arithmetic import arithmetic_dataset
-        from trl_ext.embedded.models import materialize_model
-
-        root = tempfile.mkdtemp(prefix="trl-fixtures-grpo-")
-        atexit.register(shutil.rmtree, root, True)
-        model_dir = str(materialize_model("tiny-qwen2", f"{root}/model", seed=0))
-        config = GRPOConfig(output_dir=f"{root}/out", per_device_train_batch_size=AG, num_generations=4,
-                            max_completion_length=T, bf16=False, use_cpu=True, report_to="none",
-                            gradient_checkpointing=False, save_strategy="no")
-        _GRPO_TRAINER["trainer"] = GRPOTrainer(
-            model=model_dir, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=config,
-            train_dataset=arithmetic_dataset("train", format="prompt", size=8),
-            processing_class=AutoTokenizer.from_pretrained(model_dir))
-    return _GRPO_TRAINER["trainer"]
+    return tiny_trl_trainer("grpo", per_device_train_batch_size=AG, max_completion_length=T)
 
 
 def _stubbed_rollout(trainer, lengths, rewards, old_per_token_logps, sampling=None):
