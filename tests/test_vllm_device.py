@@ -31,7 +31,7 @@ def test_without_a_gpu_the_script_records_why_and_succeeds(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(NO_DEVICE is not None, reason=NO_DEVICE or "")
+@pytest.mark.skipif(NO_DEVICE is not None, reason=str(NO_DEVICE))
 def test_vllm_colocate_sampling_logprobs_reach_tis(tmp_path):
     out = tmp_path / "vllm.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--modes", "colocate", "--steps", "4",
