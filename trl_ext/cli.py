@@ -75,7 +75,9 @@ def _catalog(ns):
 
 
 def _output_dir(ns, recipe) -> str:
-    return ns.output_dir or recipe.output_dir or str(Path("runs") / Path(ns.recipe).stem)
+    from trl_ext.recipe import default_output_dir
+
+    return ns.output_dir or recipe.output_dir or str(default_output_dir(ns.recipe))
 
 
 def cmd_validate(ns) -> int:

@@ -211,6 +211,11 @@ class Recipe(_Strict):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def default_output_dir(recipe_file: str | Path) -> Path:
+    """Where ``trl-ext train RECIPE`` writes when neither the recipe nor ``--output-dir`` says: ``runs/<file stem>``."""
+    return Path("runs") / Path(recipe_file).stem
+
+
 @dataclasses.dataclass(frozen=True)
 class RunRef:
     """Where ``run:<recipe>/<stage>`` was looked for: ``producer`` is the recipe file that builds it."""
@@ -266,7 +271,7 @@ def locate_run_ref(ref: str, recipe_dir: Path, cwd: Path) -> RunRef:
     names = [s.name for s in other.stages]
     if stage not in names:
         raise RecipeError(f"{ref!r}: {producer} has no stage {stage!r} (its stages: {names})")
-    out = Path(other.output_dir or Path("runs") / producer.stem).expanduser()
+    out = Path(other.output_dir or default_output_dir(producer)).expanduser()
     if out.is_absolute():
         bases = [out]
     else:

@@ -39,8 +39,8 @@ from typing import Any, Callable
 from trl_ext.errors import OutputDirError, RecipeError
 from trl_ext.faults import crash_point
 from trl_ext.files import write_json_atomic
-from trl_ext.recipe import (EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, resolve_run_refs, string_leaves,
-                            validate_recipe)
+from trl_ext.recipe import (EMBEDDED_PREFIX, STAGE_PREFIX, Recipe, StageSpec, default_output_dir, resolve_run_refs,
+                            string_leaves, validate_recipe)
 from trl_ext.stage import ResolvedStage, build_peft_config, evaluation_reward_plugins, resolve_stage  # noqa: F401
 
 COMPLETE_MARKER = "stage.json"
@@ -124,7 +124,7 @@ def prerequisite_hint(message: str, recipe: Recipe) -> str:
         if not isinstance(data, dict):
             continue
         stages = data.get("stages") or ([{"name": data.get("name", "main")}] if "trainer" in data else [])
-        out = Path(data.get("output_dir") or Path("runs") / candidate.stem)
+        out = Path(data.get("output_dir") or default_output_dir(candidate))
         for stage in stages:
             if isinstance(stage, dict) and out / str(stage.get("name", "main")) == wanted:
                 return (f": it is stage {stage.get('name', 'main')!r} of {candidate}; build it first with "
