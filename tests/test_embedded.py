@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from trl_ext.embedded.arithmetic import EMBEDDED_DATASETS, arithmetic_dataset, exact_match_reward
-from trl_ext.embedded.models import EMBEDDED_MODELS, MARKER_FILE, build_model, materialize_model
+from trl_ext.embedded.models import EMBEDDED_MODELS, MARKER_FILE, build_model, embedded_tokenizer, materialize_model
 from trl_ext.embedded.tokenizer import EOS_TOKEN, build_tokenizer
 from trl_ext.evaluation import evaluate_generation
 from trl_ext.plotting import plot_curves
@@ -85,7 +85,8 @@ def test_build_model_is_seeded():
 
 
 @pytest.mark.parametrize("name", sorted(EMBEDDED_MODELS))
-def test_embedded_models_run(name, tokenizer):
+def test_embedded_models_run(name):
+    tokenizer = embedded_tokenizer(name)  # the tool-calling model has its own tokenizer
     model = EMBEDDED_MODELS[name](seed=0)
     assert model.config.vocab_size == len(tokenizer)
     assert model.config.eos_token_id == tokenizer.eos_token_id
@@ -273,7 +274,8 @@ def test_exact_match_reward(completion, gold, reward):
 
 def test_registry():
     assert EMBEDDED_DATASETS["arithmetic"] is arithmetic_dataset
-    assert set(EMBEDDED_MODELS) == {"tiny-qwen2", "tiny-qwen2-small", "tiny-qwen3-moe", "tiny-glm4-moe-mtp"}
+    assert set(EMBEDDED_MODELS) == {"tiny-qwen2", "tiny-qwen2-small", "tiny-qwen3-moe", "tiny-glm4-moe-mtp",
+                                    "tiny-qwen3-tools"}
 
 
 # --- evaluation ------------------------------------------------------------------------------------

@@ -19,22 +19,26 @@ from transformers import (
     Glm4MoeForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
 from trl_ext.embedded.tokenizer import build_tokenizer
+from trl_ext.embedded.tool_tokenizer import build_tool_tokenizer
 
 # Written last into a materialized directory: its presence means the copy is complete, and its content
 # says which model and seed the copy holds.
 MARKER_FILE = "trl_ext_embedded.json"
 
 
-def _special_token_ids() -> dict[str, int]:
+def _special_token_ids(make_tokenizer: Callable[[], PreTrainedTokenizerFast] = build_tokenizer) -> dict[str, int]:
     # The model configs must agree with the tokenizer, or generation would not stop at eos.
-    tokenizer = build_tokenizer()
+    tokenizer = make_tokenizer()
     return {
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
@@ -113,12 +117,39 @@ def _tiny_glm4_moe_mtp() -> Glm4MoeConfig:
     )
 
 
+def _tiny_qwen3_tools() -> Qwen3Config:
+    # About 120K parameters, with the tool-calling tokenizer (trl_ext.embedded.tool_tokenizer): TRL's Qwen3 chat
+    # template, so GRPO's `environment_factory` tool loop runs. Positions reach 2048 because the template writes each
+    # tool's JSON schema into the prompt, one token per character (about 1100 tokens for three tools).
+    return Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        **_special_token_ids(build_tool_tokenizer),
+    )
+
+
 _CONFIGS: dict[str, tuple[Callable[[], PretrainedConfig], type[PreTrainedModel]]] = {
     "tiny-qwen2": (_tiny_qwen2, Qwen2ForCausalLM),
     "tiny-qwen2-small": (_tiny_qwen2_small, Qwen2ForCausalLM),
     "tiny-qwen3-moe": (_tiny_qwen3_moe, Qwen3MoeForCausalLM),
     "tiny-glm4-moe-mtp": (_tiny_glm4_moe_mtp, Glm4MoeForCausalLM),
+    "tiny-qwen3-tools": (_tiny_qwen3_tools, Qwen3ForCausalLM),
 }
+# The tokenizer each model is saved with; models not listed use the embedded character tokenizer.
+_TOKENIZERS: dict[str, Callable[[], PreTrainedTokenizerFast]] = {"tiny-qwen3-tools": build_tool_tokenizer}
+
+
+def embedded_tokenizer(name: str) -> PreTrainedTokenizerFast:
+    """The tokenizer embedded model `name` is saved with (its vocabulary matches the model's embeddings)."""
+    if name not in _CONFIGS:
+        raise ValueError(f"Unknown embedded model {name!r}; choose one of {sorted(_CONFIGS)}")
+    return _TOKENIZERS.get(name, build_tokenizer)()
 
 
 def embedded_config(name: str) -> PretrainedConfig:
@@ -171,7 +202,7 @@ def materialize_model(name: str, directory: str | Path, seed: int = 0) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         build_model(name, seed).save_pretrained(staging, safe_serialization=True)
-        build_tokenizer().save_pretrained(staging)
+        embedded_tokenizer(name).save_pretrained(staging)
         (staging / MARKER_FILE).write_text(json.dumps(expected))
         try:
             # rename(2) replaces a missing or empty directory atomically and fails on a non-empty one.
