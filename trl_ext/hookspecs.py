@@ -152,6 +152,19 @@ def trl_ext_reward_functions(stage: StageSpec) -> list[Any] | None:
 
 
 @hookspec
+def trl_ext_trainer_kwargs(stage: StageSpec, tokenizer: Any) -> dict[str, Any] | None:
+    """Return extra keyword arguments for the TRL trainer's constructor (e.g. GRPO's ``environment_factory``).
+
+    Called once per stage on every rank, after the datasets are prepared and the tokenizer is loaded, and before the
+    trainer (and so the model) is built, with the stage and its tokenizer (so a plugin can refuse a tokenizer that
+    cannot do what its arguments need, before any model loads). Return a mapping of constructor argument -> value, or
+    ``None``. Only arguments the stage's TRL trainer class accepts make sense; the trainer kinds pass them through.
+
+    Composition: the mappings are merged; two plugins returning the same argument is an error naming both. Since 0.2.
+    """
+
+
+@hookspec
 def trl_ext_trainer_created(trainer: Any) -> None:
     """React to the trainer having been built (add callbacks, wrap or freeze modules, cache references).
 

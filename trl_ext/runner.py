@@ -523,7 +523,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
                                    plugin_checkpoints_before_completion)
     from trl_ext.rewards import collect_reward_functions
     from trl_ext.tracking import StageReporting, heldout_logs, stage_run_name, tensorboard_dir, tensorboard_logging_dir
-    from trl_ext.trainers import BuildContext
+    from trl_ext.trainers import BuildContext, plugin_trainer_kwargs
 
     state = PartialState()
     spec = rs.spec
@@ -565,6 +565,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
         host=rs.host,
         reward_funcs=[r.as_trl_callable() for r in rewards],
         reward_weights=[r.weight for r in rewards],
+        trainer_kwargs=plugin_trainer_kwargs(rs.host, spec, tokenizer),
     )
     with tensorboard_logging_dir(tensorboard_dir(ctx.output_dir, spec.name)):
         trainer = rs.kind.build(build)

@@ -7,7 +7,7 @@ TRL pin in pyproject.toml (``trl>=1.16,<1.17``) is the range these were checked 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trl import DistillationConfig, DPOConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig, SFTConfig
@@ -34,12 +34,27 @@ class BuildContext:
     host: Any
     reward_funcs: list
     reward_weights: list[float]
+    # Plugins' extra constructor arguments (``trl_ext_trainer_kwargs``, merged by :func:`plugin_trainer_kwargs`).
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def plugin_trainer_kwargs(host, stage, tokenizer) -> dict[str, Any]:
+    """Every plugin's ``trl_ext_trainer_kwargs``, merged; one argument from two plugins is an error naming both."""
+    merged: dict[str, Any] = {}
+    given_by: dict[str, str] = {}
+    for impl in reversed(host.pm.hook.trl_ext_trainer_kwargs.get_hookimpls()):  # recipe order
+        for key, value in (impl.function(stage=stage, tokenizer=tokenizer) or {}).items():
+            if key in given_by:
+                raise ValueError(f"plugins {given_by[key]!r} and {impl.plugin.name!r} both pass the trainer argument "
+                                 f"{key!r}")
+            merged[key], given_by[key] = value, impl.plugin.name
+    return merged
 
 
 def _common(ctx: BuildContext) -> dict[str, Any]:
     return dict(args=ctx.config, train_dataset=ctx.train_dataset, eval_dataset=ctx.eval_dataset,
                 processing_class=ctx.tokenizer, callbacks=ctx.callbacks, peft_config=ctx.peft_config,
-                plugin_host=ctx.host)
+                plugin_host=ctx.host, **ctx.trainer_kwargs)
 
 
 def _load_ref(path: str | None):
