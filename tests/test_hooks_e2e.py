@@ -52,6 +52,11 @@ class Recorder(Plugin):
         return None
 
     @hookimpl
+    def trl_ext_trainer_kwargs(self, stage, tokenizer):
+        _seen("trl_ext_trainer_kwargs")
+        return None
+
+    @hookimpl
     def trl_ext_trainer_created(self, trainer):
         _seen("trl_ext_trainer_created")
 
