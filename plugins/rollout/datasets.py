@@ -33,10 +33,17 @@ def _calc_tool(*args, **kwargs) -> Dataset:
     return calc_tool_trajectories(*args, **kwargs)
 
 
+def _calc_tool_prompts(*args, **kwargs) -> Dataset:
+    from trl_ext_plugins.rollout.tool_envs import calc_tool_prompts
+
+    return calc_tool_prompts(*args, **kwargs)
+
+
 def _reasoning_gym(*args, **kwargs) -> Dataset:
     from trl_ext_plugins.rollout.reasoning_gym_env import reasoning_gym_dataset
 
     return reasoning_gym_dataset(*args, **kwargs)
 
 
-DATASETS = {"arithmetic_proposals": arithmetic_proposals, "calc_tool": _calc_tool, "reasoning_gym": _reasoning_gym}
+DATASETS = {"arithmetic_proposals": arithmetic_proposals, "calc_tool": _calc_tool, "calc_tool_prompts": _calc_tool_prompts,
+            "reasoning_gym": _reasoning_gym}

@@ -17,6 +17,9 @@ from trl_ext_plugins.rollout.control_math import interleave_environments, mixtur
 
 logger = logging.getLogger("trl_ext.multi_env")
 ENV_COLUMN = "env"
+# TRL's multi-environment routing column (a dict ``environment_factory`` reads each row's factory name from it).
+TRL_ENV_COLUMN = "environment"
+NO_TOOL_ENVIRONMENT = "none"
 
 
 def _selections(value: Any) -> Any:
@@ -43,7 +46,18 @@ class EnvironmentSpec(BaseModel):
     weight: float = Field(1.0, gt=0.0, description="Mixing weight: its share of every generation batch's prompts.")
     dataset: DatasetSpec | None = Field(None, description="Train prompts; null: the stage's dataset.")
     eval_dataset: DatasetSpec | None = Field(None, description="Held-out prompts scored before and after the stage.")
-    rewards: list[PluginSelection] = Field(min_length=1, description="Reward plugins that score this environment.")
+    rewards: list[PluginSelection] = Field(default_factory=list,
+                                           description="Reward plugins that score this environment (at least one, "
+                                                       "unless its `environment` class defines get_reward()).")
+    environment: str | None = Field(None, description="A TRL tool environment for its rows (GRPO's "
+                                                      "environment_factory): 'calculator' or 'package.module:Class'.")
+
+    @model_validator(mode="after")
+    def _scored(self):
+        if not self.rewards and self.environment is None:
+            raise ValueError("rewards: at least one reward plugin is needed (or a tool `environment` whose class "
+                             "defines get_reward())")
+        return self
 
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
@@ -61,6 +75,12 @@ class MultiEnvParams(PluginParams):
     seed: int = Field(0, description="Seed of the mixture's row order.")
     eval_max_new_tokens: int = Field(8, ge=1, description="Tokens decoded per held-out prompt (greedy).")
     eval_batch_size: int = Field(64, ge=1, description="Prompts per held-out generation call.")
+    eval_tool_max_new_tokens: int = Field(96, ge=1, description="Tokens per turn in held-out tool episodes (greedy).")
+    eval_max_tool_calls: int = Field(4, ge=0, description="Tool-call rounds per held-out tool episode.")
+
+    @property
+    def uses_tools(self) -> bool:
+        return any(e.environment is not None for e in self.environments)
 
     @model_validator(mode="after")
     def _unique_names(self):
@@ -110,10 +130,36 @@ class MultiEnv(Plugin):
 
     Environments can be any dataset with a verifier: the embedded arithmetic task per operation, reasoning-gym task
     families (``embedded:reasoning_gym`` with the ``reasoning_gym`` reward, extra ``trl-ext[reasoning-gym]``), local
-    files or hub datasets. TRL's ``environment_factory`` tool environments are not routed by this plugin.
+    files or hub datasets.
+
+    Tool environments (GRPO only): an environment with ``environment: calculator`` (the embedded
+    :class:`~trl_ext_plugins.rollout.tool_envs.CalculatorEnv`) or ``environment: "package.module:ClassName"`` (any
+    class following TRL's ``environment_factory`` contract: no-argument constructor, ``reset(**row)``, public methods
+    as tools, optional ``get_reward()``) has its rows rolled out through TRL's tool-calling loop. With at least one
+    tool environment the plugin
+
+    * passes TRL the dict form ``environment_factory={<env name>: <class>}`` through ``trl_ext_trainer_kwargs``, and
+      writes each row's environment name into TRL's routing column ``environment`` (besides ``env``); environments
+      without a class get :class:`~trl_ext_plugins.rollout.tool_envs.NoToolEnv` (no tools, ``reset`` adds nothing),
+      because TRL refuses a row whose ``environment`` names no factory. Only a tool environment's own tools are shown
+      in its rows' prompts;
+    * turns plain-text prompts into one user message (``[{"role": "user", "content": prompt}]``, train and held-out
+      rows of every environment), since TRL's tool loop parses conversational completions only and decides the
+      prompt format per batch;
+    * needs a model whose chat template renders tool calls and that TRL can parse (``supports_tool_calling`` and
+      ``add_response_schema``; e.g. ``embedded:tiny-qwen3-tools``); a tool environment's reward plugins see the
+      completion as messages (assistant turns, tool results), ``exact_match`` scores the last assistant message;
+    * logs ``multi_env/<env>/tool_calls`` (mean tool results per rollout) and scores held-out tool environments with
+      greedy episodes of the same loop (``eval_tool_max_new_tokens`` tokens per turn, at most ``eval_max_tool_calls``
+      rounds; ``tool_calls`` in ``multi_env_eval.json``). The stage-level ``eval_dataset`` is not routed: use each
+      environment's ``eval_dataset``.
 
     Bad input (refused at validation, before any model loads): repeated environment names, a reward selection that is
-    not a reward plugin, an environment whose embedded or local dataset has no rows.
+    not a reward plugin, an environment whose embedded or local dataset has no rows, an environment with no reward
+    (no reward plugin and no ``get_reward``), an ``environment`` that cannot be imported or has no ``reset``, a tool
+    environment under a trainer other than ``grpo`` (TRL's RLOO has no ``environment_factory``) or with a model whose
+    chat template cannot render tool calls (checked at validation for embedded models and local folders, otherwise
+    when the tokenizer loads, still before the model).
     """
 
     name = "multi_env"
@@ -132,7 +178,7 @@ class MultiEnv(Plugin):
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
         catalog = _catalog()
-        errors = []
+        errors = self._tool_errors(stage)
         for i, env in enumerate(self.params.environments):
             where = f"plugin {self.name!r}: environments[{i}] ({env.name!r})"
             for j, selection in enumerate(env.rewards):
@@ -152,6 +198,35 @@ class MultiEnv(Plugin):
                 if rows == 0:
                     errors.append(f"{where}.{field_name}: the environment has no rows ({spec.source})")
         return errors or None
+
+    def _tool_errors(self, stage) -> list[str]:
+        """Problems of the tool environments: unimportable class, no reward, wrong trainer, tokenizer without tools."""
+        from trl_ext_plugins.rollout.tool_envs import resolve_environment
+
+        errors = []
+        for i, env in enumerate(self.params.environments):
+            if env.environment is None:
+                continue
+            where = f"plugin {self.name!r}: environments[{i}] ({env.name!r}).environment"
+            try:
+                cls = resolve_environment(env.environment)
+            except ValueError as exc:
+                errors.append(f"{where}: {exc}")
+                continue
+            if not env.rewards and not callable(getattr(cls, "get_reward", None)):
+                errors.append(f"{where}: {env.environment} defines no get_reward() and the environment lists no "
+                              f"rewards")
+            if stage.trainer != "grpo":
+                errors.append(f"{where}: tool environments need the 'grpo' trainer (TRL's {stage.trainer!r} trainer "
+                              f"has no environment_factory)")
+        if self.params.uses_tools and not errors:
+            tokenizer = _offline_tokenizer(stage.model)
+            if tokenizer is not None and not _renders_tool_calls(tokenizer):
+                first = next(i for i, e in enumerate(self.params.environments) if e.environment is not None)
+                errors.append(f"plugin {self.name!r}: environments[{first}].environment: the model {stage.model!r} has "
+                              f"no chat template that renders and parses tool calls (use e.g. "
+                              f"embedded:tiny-qwen3-tools)")
+        return errors
 
     @staticmethod
     def _reward_plugin(catalog, selection: PluginSelection):
@@ -200,8 +275,33 @@ class MultiEnv(Plugin):
         rows = []
         for env_index, row_index in order:
             row = sources[env_index][row_index]
-            rows.append({**{c: row.get(c) for c in columns}, ENV_COLUMN: self.params.environments[env_index].name})
+            rows.append(self._routed_row({**{c: row.get(c) for c in columns},
+                                          ENV_COLUMN: self.params.environments[env_index].name}))
         return Dataset.from_list(rows)
+
+    def _routed_row(self, row: dict) -> dict:
+        """With tool environments: TRL's routing column and a conversational prompt (see the class docstring)."""
+        if not self.params.uses_tools:
+            return row
+        prompt = row.get("prompt")
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        return {**row, "prompt": prompt, TRL_ENV_COLUMN: row[ENV_COLUMN]}
+
+    # -- trainer ----------------------------------------------------------------------------------------------------
+
+    @hookimpl
+    def trl_ext_trainer_kwargs(self, stage, tokenizer):
+        """GRPO's dict ``environment_factory`` (one factory per environment name) when some environment has tools."""
+        if not self.params.uses_tools:
+            return None
+        from trl_ext_plugins.rollout.tool_envs import resolve_environment
+
+        if not _renders_tool_calls(tokenizer):
+            raise ValueError(f"plugin {self.name!r}: environments[].environment: the tokenizer of {stage.model!r} has "
+                             f"no chat template that renders and parses tool calls (use e.g. embedded:tiny-qwen3-tools)")
+        return {"environment_factory": {env.name: resolve_environment(env.environment or NO_TOOL_ENVIRONMENT)
+                                        for env in self.params.environments}}
 
     # -- rewards ----------------------------------------------------------------------------------------------------
 
@@ -272,6 +372,15 @@ class MultiEnv(Plugin):
             if scored.any():
                 batch.metrics[f"multi_env/{name}/reward"] = rewards[scored].mean().item()
             batch.metrics[f"multi_env/{name}/verifier_errors"] = errors[index].item()
+        if self.params.uses_tools:
+            # Tool results per rollout (TRL appends one "tool" message per executed call), per environment.
+            local_calls = torch.tensor([float(sum(m.get("role") == "tool" for m in c)) if isinstance(c, list) else 0.0
+                                        for c in batch.completions], device=rewards.device)
+            calls = trainer.accelerator.gather(local_calls) if trainer is not None else local_calls
+            for index, name in enumerate(names):
+                rows = envs == index
+                if rows.any():
+                    batch.metrics[f"multi_env/{name}/tool_calls"] = calls[rows].mean().item()
         return ~torch.isnan(rewards)
 
     # -- held-out evaluation ----------------------------------------------------------------------------------------
@@ -317,6 +426,19 @@ class MultiEnv(Plugin):
             plugins = [self._reward_plugin(catalog, s) for s in env.rewards]
             score = weighted_reward(collect_reward_functions(PluginHost(plugins), probe))
             data = _load(env.eval_dataset, catalog, probe)
+            if self.params.uses_tools:
+                from datasets import Dataset
+
+                data = Dataset.from_list([self._routed_row({**row, ENV_COLUMN: env.name}) for row in data])
+            if env.environment is not None:
+                from trl_ext_plugins.rollout.tool_envs import evaluate_tool_environment, resolve_environment
+
+                cls = resolve_environment(env.environment)
+                out[env.name] = evaluate_tool_environment(
+                    model, tokenizer, data, cls, score, max_new_tokens=self.params.eval_tool_max_new_tokens,
+                    max_tool_calls=self.params.eval_max_tool_calls, chat_template=getattr(trainer, "chat_template",
+                                                                                          None))
+                continue
             out[env.name] = evaluate_generation(model, tokenizer, data, score,
                                                 max_new_tokens=self.params.eval_max_new_tokens,
                                                 batch_size=self.params.eval_batch_size)
@@ -346,6 +468,44 @@ def plot_environment_rewards(metrics_path: Path, out_png: Path, names: list[str]
     figure.savefig(out_png)
     plt.close(figure)
     return out_png
+
+
+def _renders_tool_calls(tokenizer) -> bool:
+    """TRL's two requirements on a tool-calling tokenizer: its chat template renders a tool-call exchange and TRL
+    knows how to parse its responses (``add_response_schema``), unless the tokenizer already carries a parser."""
+    import copy
+
+    from trl.chat_template_utils import add_response_schema, supports_tool_calling
+
+    if not supports_tool_calling(tokenizer):
+        return False
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+        return True
+    try:
+        add_response_schema(copy.copy(tokenizer))
+    except ValueError:
+        return False
+    return True
+
+
+def _offline_tokenizer(model_ref: str):
+    """The tokenizer of an embedded model or a local folder, without loading the model; ``None`` when it cannot be
+    known before the run (hub ids, ``stage:`` references, models registered by other packages)."""
+    from trl_ext.recipe import EMBEDDED_PREFIX
+
+    if model_ref.startswith(EMBEDDED_PREFIX):
+        from trl_ext.embedded.models import _CONFIGS, embedded_tokenizer
+
+        name = model_ref[len(EMBEDDED_PREFIX):]
+        return embedded_tokenizer(name) if name in _CONFIGS else None
+    if Path(model_ref).is_dir():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(model_ref)
+        except Exception:  # no tokenizer files: the runner reports that
+            return None
+    return None
 
 
 def _per_row(value: Any, n: int) -> bool:
