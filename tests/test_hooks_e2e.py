@@ -28,7 +28,8 @@ class Recorder(Plugin):
     """Implements every run hook with neutral answers and counts the calls (test plugin)."""
 
     name = "recorder"
-    slots = frozenset({Slot.OBJECTIVE, Slot.AGGREGATION, Slot.ADVANTAGE, Slot.GENERATION, Slot.REFILL})
+    slots = frozenset({Slot.OBJECTIVE, Slot.AGGREGATION, Slot.ADVANTAGE, Slot.GENERATION, Slot.REFILL,
+                       Slot.TRAIN_SAMPLER})
     Params = NoParams
 
     @hookimpl
@@ -59,6 +60,11 @@ class Recorder(Plugin):
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
         _seen("trl_ext_trainer_created")
+
+    @hookimpl
+    def trl_ext_train_sampler(self, trainer, dataset):
+        _seen("trl_ext_train_sampler")
+        return None
 
     @hookimpl
     def trl_ext_generate(self, trainer, prompts, generate):

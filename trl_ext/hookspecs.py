@@ -173,6 +173,23 @@ def trl_ext_trainer_created(trainer: Any) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def trl_ext_train_sampler(trainer: Any, dataset: Dataset) -> Any:
+    """Supply the sampler of the training dataloader (slot ``train_sampler``).
+
+    Called by the GRPO and RLOO trainers on every rank when the training dataloader is built (at the start of
+    ``train()``, after ``trl_ext_trainer_created``), with the trainer and the (map-style) train dataset. Return a
+    ``torch.utils.data.Sampler`` of row indices, or ``None`` for TRL's ``RepeatSampler``. The sampler must keep
+    RepeatSampler's structure (``trainer.num_generations`` copies of each prompt in a row; chunks of
+    ``generation_batch_size // num_generations`` prompts, each emitted ``num_iterations * steps_per_generation`` times;
+    only whole chunks), must yield the same indices on every rank (accelerate splits the stream across ranks) and must
+    have a fixed ``len`` (the trainer derives its epoch length and resume offsets from it). The dataloader fetches one
+    batch ahead, so a sampler drawing lazily should say which batches a change can still reach.
+
+    Selection: first non-``None`` result wins; at most one plugin may claim the ``train_sampler`` slot. Since 0.2.
+    """
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Rollout (GRPO family). All tensors here are gathered across ranks unless said otherwise.
 # --------------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class Slot(str, Enum):
     GENERATION = "generation"  # trl_ext_generate
     PREFERENCE_LOSS = "preference_loss"  # trl_ext_preference_loss
     REFILL = "refill"  # trl_ext_refill_groups
+    TRAIN_SAMPLER = "train_sampler"  # trl_ext_train_sampler
 
 
 # Which hook fills which slot; a plugin implementing one of these hooks must declare the slot.
@@ -46,6 +47,7 @@ SLOT_OF_HOOK = {
     "trl_ext_generate": Slot.GENERATION,
     "trl_ext_preference_loss": Slot.PREFERENCE_LOSS,
     "trl_ext_refill_groups": Slot.REFILL,
+    "trl_ext_train_sampler": Slot.TRAIN_SAMPLER,
 }
 
 

@@ -11,6 +11,7 @@ TRL 1.16 internals relied on (re-check when widening the TRL pin):
   ``importance_sampling_ratio``, ``tool_mask``;
 * ``_compute_loss(model, inputs)`` with ``loss_is_scaled_for_ga`` semantics (the loss handles gradient accumulation);
 * ``_get_per_token_logps_and_entropies`` and ``self._metrics[mode]`` for logging.
+* ``_get_train_sampler(dataset)`` returns the train ``RepeatSampler`` (replaced by ``trl_ext_train_sampler``).
 """
 
 from __future__ import annotations
@@ -192,6 +193,11 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         # The loss pipeline's KL term (used when args.beta != 0): TRL's k3 with TRL's bias correction unless a plugin
         # (e.g. ``grpo`` with ``kl_estimator``) replaces it in ``trl_ext_trainer_created``.
         self.kl_term = ops.KLTerm("k3", bias_correction=bool(self.args.use_bias_correction_kl))
+
+    # -- data -------------------------------------------------------------------------------------------------------
+
+    def _get_train_sampler(self, dataset=None):
+        return self._plugin_train_sampler(dataset, lambda: super(ExtGRPOTrainer, self)._get_train_sampler(dataset))
 
     # -- generation -------------------------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Trainers whose seams are the generic ones (dataset, reward functions, trainer-created, after-stage): thin
-subclasses so every stage has a plugin host. Only the distillation trainer overrides TRL methods: its generation goes
-through ``trl_ext_generate`` (for GKD's on/off-policy mix).
+subclasses so every stage has a plugin host. The distillation trainer's generation goes through ``trl_ext_generate``
+(for GKD's on/off-policy mix); the RLOO trainer asks ``trl_ext_train_sampler`` for its train sampler (TRL 1.16:
+``_get_train_sampler(dataset)`` returns a ``RepeatSampler``).
 
 TRL 1.16 internals relied on: ``DistillationTrainer._generate(prompts)`` returns ``(prompt_ids, completion_ids,
 tool_mask, images, tool_images)`` (lists of token-id lists) and ``_generate_and_score_completions(inputs)`` receives the
@@ -40,3 +41,6 @@ class ExtRLOOTrainer(HostMixin, RLOOTrainer):
     def __init__(self, *args, plugin_host, **kwargs):
         self._init_host(plugin_host)
         super().__init__(*args, **kwargs)
+
+    def _get_train_sampler(self, dataset=None):
+        return self._plugin_train_sampler(dataset, lambda: super(ExtRLOOTrainer, self)._get_train_sampler(dataset))
