@@ -130,6 +130,32 @@ def test_calculator_environment_follows_trl_contract():
     assert calc_tool_prompts("test", size=8)["prompt"] != rows["prompt"]
 
 
+def test_warm_up_conversations_render_the_tool_calls_grpo_parses():
+    """The SFT rows render (with their ``tools``) to the same prompt GRPO generates from, followed by tool calls that
+    TRL's parser reads back as the expert's calls; the arithmetic rows carry no tools."""
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    tokenizer = add_response_schema(build_tool_tokenizer())
+    rows = calc_tool_prompts("train", format="prompt_completion", size=3, arithmetic_rows=2)
+    assert len(rows) == 5 and rows["tools"][3:] == [None, None]
+    assert rows["prompt"][:3] == [[{"role": "user", "content": p}] for p in calc_tool_prompts("train", size=3)["prompt"]]
+    row = rows[0]
+    tools = json.loads(row["tools"])
+    env = CalculatorEnv()
+    prompt = tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=False)
+    assert prompt == tokenizer.apply_chat_template(row["prompt"], tools=[env.add, env.mul, env.sub],
+                                                   add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tools=tools, tokenize=False)
+    assert full.startswith(prompt)
+    first_turn = full[len(prompt):].split(EOS_TOKEN)[0] + EOS_TOKEN
+    call = row["completion"][0]["tool_calls"][0]["function"]
+    assert first_turn == tool_call_text(call["name"], call["arguments"]["a"], call["arguments"]["b"])
+    parsed = parse_response(tokenizer, tokenizer(first_turn)["input_ids"], prefix=tokenizer(prompt)["input_ids"])
+    assert parsed["tool_calls"][0]["function"] == call
+    assert row["completion"][-1] == {"role": "assistant", "content": row["answer"], "tool_calls": None, "name": None}
+    assert rows[3]["completion"][0]["content"] == rows[3]["answer"]
+
+
 class ScriptedModel(torch.nn.Module):
     """A stand-in for ``generate`` in held-out episodes: the scripted turn in the tokenizer's ids."""
 

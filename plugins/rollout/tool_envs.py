@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import random
 
 from datasets import Dataset
+from transformers.utils import get_json_schema
 
 from trl_ext_plugins.rollout.tool_task import FUNCTIONS, SYMBOLS
 
@@ -109,21 +111,52 @@ def environment_tools(cls: type) -> list[str]:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-def calc_tool_prompts(split: str = "train", seed: int = 0, size: int = 64, max_operand: int = 20) -> Dataset:
-    """Prompts of the calculator task for GRPO with :class:`CalculatorEnv`: ``prompt`` (``"(12+34)*2?"``) and the
-    gold ``answer``. The problems are those of ``calc_tool`` (same split streams), drawn here without the expert
-    trajectory."""
+def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 0, size: int = 64,
+                      max_operand: int = 20, arithmetic_rows: int = 0) -> Dataset:
+    """The calculator task for :class:`CalculatorEnv`. ``format: prompt`` (GRPO): ``prompt`` (``"(12+34)*2?"``) and
+    the gold ``answer``. ``format: prompt_completion`` (an SFT warm-up with a tool-calling chat template): the
+    ``prompt`` as one user message, the expert ``completion`` as messages (an assistant tool call per operation with
+    its tool result, then the answer), ``tools`` (the environment's tool schemas as JSON, which TRL's SFT renders into
+    the prompt as GRPO does) and ``answer``; ``arithmetic_rows`` more rows of the embedded arithmetic task (addition,
+    operands below ``max_operand``, same split) as tool-free conversations (``"12+34="`` -> ``"46"``) follow, so one
+    warm-up serves a ``multi_env`` run that mixes both. The problems are those of ``calc_tool`` (same split
+    streams)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if format not in ("prompt", "prompt_completion"):
+        raise ValueError(f"format must be 'prompt' or 'prompt_completion', got {format!r}")
     rng = random.Random(f"{seed}:{split}")
     names = list(FUNCTIONS)
+    tools = json.dumps([get_json_schema(method) for method in tool_methods(CalculatorEnv())])
     rows = []
     for _ in range(size):
         a, first, b, second, c = (rng.randrange(max_operand), rng.choice(names), rng.randrange(max_operand),
                                   rng.choice(names), rng.randrange(max_operand))
-        answer = FUNCTIONS[second](FUNCTIONS[first](a, b), c)
-        rows.append({"prompt": f"({a}{SYMBOLS[first]}{b}){SYMBOLS[second]}{c}?", "answer": str(answer)})
+        x = FUNCTIONS[first](a, b)
+        answer = FUNCTIONS[second](x, c)
+        row = {"prompt": f"({a}{SYMBOLS[first]}{b}){SYMBOLS[second]}{c}?", "answer": str(answer)}
+        if format == "prompt_completion":
+            row = {"prompt": [{"role": "user", "content": row["prompt"]}],
+                   "completion": [_tool_call_message(first, a, b), {"role": "tool", "name": first, "content": str(x)},
+                                  _tool_call_message(second, x, c),
+                                  {"role": "tool", "name": second, "content": str(answer)},
+                                  {"role": "assistant", "content": str(answer)}],
+                   "tools": tools, "answer": str(answer)}
+        rows.append(row)
+    if arithmetic_rows:
+        if format != "prompt_completion":
+            raise ValueError("arithmetic_rows needs format 'prompt_completion'")
+        from trl_ext.embedded.arithmetic import arithmetic_dataset
+
+        plain = arithmetic_dataset(split, format="prompt", seed=seed, max_operand=max_operand, size=arithmetic_rows)
+        rows += [{"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": a}],
+                  "tools": None, "answer": a} for p, a in zip(plain["prompt"], plain["answer"], strict=True)]
     return Dataset.from_list(rows)
+
+
+def _tool_call_message(name: str, a: int, b: int) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {"a": a, "b": b}}}]}
 
 
 def tool_methods(env) -> list:
