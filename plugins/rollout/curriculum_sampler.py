@@ -92,7 +92,8 @@ class CurriculumQueue:
                              f"the train dataset has {len(self.rates)}")
         self.rates = [float(r) for r in state["rates"]]
         self.pass_index = int(state["pass_index"])
-        self.base_order, self.pending, self.drawn = list(state["base_order"]), list(state["pending"]), list(state["drawn"])
+        self.base_order, self.pending = list(state["base_order"]), list(state["pending"])
+        self.drawn = list(state["drawn"])
         self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -140,7 +141,7 @@ class PassRateFilter(Plugin):
         from trl_ext_plugins.rollout.curriculum_sampler import CurriculumQueue, CurriculumSampler
 
         estimated = self.train_rows
-        if estimated is None or len(dataset) != len(estimated) or dataset["prompt"] != estimated["prompt"]:
+        if estimated is None or len(dataset) != len(estimated) or list(dataset["prompt"]) != list(estimated["prompt"]):
             raise ValueError(f"plugin {self.name!r}: the trainer's train rows are not the rows the plugin estimated "
                              "(a later plugin in the recipe filtered or re-ordered them); list pass_rate_filter last")
         p = self.params
@@ -180,8 +181,11 @@ class PassRateFilter(Plugin):
         mine = rows[rank * share:(rank + 1) * share]
         padded = mine + rows[:1] * (share - len(mine))
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        # as TRL's own generation: ZeRO-3 parameters gathered, FSDP root parameters summoned
+        backend = getattr(trainer, "_dist", None)
+        full = backend.summon_full_params(trainer.model_wrapped, recurse=False) if backend else contextlib.nullcontext()
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                         gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model:
+                                         gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model, full:
             local = self._rates_of(model, tokenizer, self.train_rows.select(padded), seed=self.params.seed + step)
         rates = list(gather_object(local[:len(mine)])) if world > 1 else local[:len(mine)]
         figures = self.sampler.queue.update(rows, rates)
