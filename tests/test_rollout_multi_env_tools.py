@@ -228,7 +228,7 @@ def catalog():
     (_recipe(calc={"rewards": []}), "environments[1] ('calc').environment: calculator defines no get_reward()"),
     (_recipe(trainer="rloo"), "tool environments need the 'grpo' trainer"),
     (_recipe(model="embedded:tiny-qwen2"),
-     "environments[1].environment: the model 'embedded:tiny-qwen2' has no chat template that renders and parses tool "
+     "environments[1] ('calc').environment: the model 'embedded:tiny-qwen2' has no chat template that renders and parses tool "
      "calls"),
 ])
 def test_bad_tool_environments_are_refused_at_validation(catalog, monkeypatch, recipe, message):

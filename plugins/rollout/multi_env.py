@@ -223,8 +223,9 @@ class MultiEnv(Plugin):
             tokenizer = _offline_tokenizer(stage.model)
             if tokenizer is not None and not _renders_tool_calls(tokenizer):
                 first = next(i for i, e in enumerate(self.params.environments) if e.environment is not None)
-                errors.append(f"plugin {self.name!r}: environments[{first}].environment: the model {stage.model!r} has "
-                              f"no chat template that renders and parses tool calls (use e.g. "
+                name = self.params.environments[first].name
+                errors.append(f"plugin {self.name!r}: environments[{first}] ({name!r}).environment: the model "
+                              f"{stage.model!r} has no chat template that renders and parses tool calls (use e.g. "
                               f"embedded:tiny-qwen3-tools)")
         return errors
 
