@@ -266,6 +266,31 @@ def test_trainer_kwargs_refuse_a_tokenizer_without_tool_calls():
     assert plain.trl_ext_trainer_kwargs(stage=stage, tokenizer=build_tokenizer()) is None
 
 
+def test_plugin_trainer_kwargs_merge_and_refuse_a_clash():
+    from trl_ext import NoParams, Plugin, hookimpl
+    from trl_ext.host import PluginHost
+    from trl_ext.recipe import StageSpec
+    from trl_ext.trainers import plugin_trainer_kwargs
+
+    def passing(plugin_name, kwargs):
+        class Passes(Plugin):
+            name = plugin_name
+            Params = NoParams
+
+            @hookimpl
+            def trl_ext_trainer_kwargs(self, stage, tokenizer):
+                return kwargs
+
+        return Passes()
+
+    stage = StageSpec(trainer="grpo", model="m", dataset=ARITH)
+    host = PluginHost([passing("a", {"tools": [len]}), passing("b", None), passing("c", {"rollout_func": min})])
+    assert plugin_trainer_kwargs(host, stage, None) == {"tools": [len], "rollout_func": min}
+    clash = PluginHost([passing("a", {"tools": [len]}), passing("c", {"tools": []})])
+    with pytest.raises(ValueError, match="plugins 'a' and 'c' both pass the trainer argument 'tools'"):
+        plugin_trainer_kwargs(clash, stage, None)
+
+
 def test_recipe_validates(catalog):
     from trl_ext.recipe import parse_recipe
     from trl_ext.stage import resolve_stage

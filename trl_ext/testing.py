@@ -94,7 +94,7 @@ def tiny_trainer(tiny_model_dir, tmp_path):
         from trl_ext.recipe import StageSpec
         from trl_ext.rewards import collect_reward_functions
         from trl_ext.stage import default_args
-        from trl_ext.trainers import TRAINER_KINDS, BuildContext
+        from trl_ext.trainers import TRAINER_KINDS, BuildContext, plugin_trainer_kwargs
 
         kind = TRAINER_KINDS[trainer]
         host = PluginHost(plugins or [])
@@ -109,14 +109,16 @@ def tiny_trainer(tiny_model_dir, tmp_path):
             from trl_ext.embedded.arithmetic import exact_match_reward
 
             reward_funcs = [exact_match_reward]
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         ctx = BuildContext(
             model=tiny_model_dir, ref_model=None, teacher=tiny_model_dir if trainer == "distillation" else None,
             config=kind.config_cls(output_dir=str(tmp_path / "out"), **merged),
             train_dataset=dataset if dataset is not None else arithmetic_dataset("train", format=_FORMATS[trainer], size=64),
-            eval_dataset=None, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), peft_config=None,
+            eval_dataset=None, tokenizer=tokenizer, peft_config=None,
             callbacks=[], host=host,
             reward_funcs=reward_funcs if reward_funcs is not None else [r.as_trl_callable() for r in rewards],
             reward_weights=[],
+            trainer_kwargs=plugin_trainer_kwargs(host, stage, tokenizer),
         )
         trainer_obj = kind.build(ctx)
         host.hook.trl_ext_trainer_created(trainer=trainer_obj)
