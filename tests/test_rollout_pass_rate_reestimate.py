@@ -146,6 +146,14 @@ def test_bad_reestimate_every_is_refused_at_validation(trl_ext_catalog, register
         assert "greater than or equal to 1" in text
 
 
+def test_reestimation_without_the_plugins_sampler_is_refused_at_train_begin():
+    from trl_ext_plugins.rollout.curriculum_sampler import ReestimateCallback
+
+    plugin = PassRateFilter(PassRateFilter.Params(reestimate_every=2))  # no sampler: e.g. an iterable dataset
+    with pytest.raises(ValueError, match="pass_rate_filter.*map-style train dataset"):
+        ReestimateCallback(plugin, trainer=None).on_train_begin(None, None, None)
+
+
 # -- on the tiny model -----------------------------------------------------------------------------------------------
 
 

@@ -155,6 +155,11 @@ class ReestimateCallback(TrainerCallback):
     def __init__(self, plugin, trainer):
         self.plugin, self.trainer = plugin, trainer
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.plugin.sampler is None:  # TRL attaches no sampler to an iterable dataset
+            raise ValueError("plugin 'pass_rate_filter': reestimate_every needs a map-style train dataset (the trainer "
+                             "built its dataloader without the plugin's sampler)")
+
     def on_step_end(self, args, state, control, **kwargs):
         every = self.plugin.params.reestimate_every
         if state.global_step % every == 0 and not 0 < state.max_steps <= state.global_step:

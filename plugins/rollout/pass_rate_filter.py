@@ -1,4 +1,5 @@
-"""``pass_rate_filter``: drop prompts the starting policy always or never solves; order the rest as a curriculum."""
+"""``pass_rate_filter``: drop prompts the starting policy always or never solves; order the rest as a curriculum;
+optionally re-estimate the rates with the current policy every N steps."""
 
 from __future__ import annotations
 
