@@ -343,12 +343,17 @@ def test_grpo_run_mixes_a_verifier_and_a_tool_environment(tmp_path, monkeypatch,
     assert summary["status"] == "complete"
 
     # 2 steps x 8 rollouts, half of them calculator rows: one reset per rollout, with its row's columns (TRL's
-    # `environment` routing column removed); two executed calls per rollout, the first on the problem's operands
+    # `environment` routing column removed), plus one per held-out episode (2 rows, before and after); two executed
+    # calls per training rollout, the first on the problem's operands (the random model's 8-token held-out turns
+    # cannot hold a call)
     calc_rollouts = 2 * 4
-    training_resets = [r for r in RecordingCalculator.resets if isinstance(r.get("prompt"), list)]
-    assert len(training_resets) >= calc_rollouts
-    assert all(r["env"] == "calc" and "environment" not in r and r["answer"] is not None for r in training_resets)
-    assert len(RecordingCalculator.executed) >= 2 * calc_rollouts
+    resets = RecordingCalculator.resets
+    assert len(resets) == calc_rollouts + 2 * 2
+    assert all(r["env"] == "calc" and "environment" not in r and r["answer"] is not None for r in resets)
+    assert len(RecordingCalculator.executed) == 2 * calc_rollouts
+    for row in resets[2:2 + calc_rollouts]:  # held-out "before" episodes come first, the "after" ones last
+        a, first, b = re.match(r"\((\d+)([-+*])(\d+)\)", row["prompt"][-1]["content"]).groups()
+        assert (OPS[first], int(a), int(b)) in RecordingCalculator.executed
 
     stage_dir = tmp_path / "run" / "main"
     rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]

@@ -174,7 +174,7 @@ def run_tool_episode(model, tokenizer, env, row: dict, *, max_new_tokens: int, m
     import torch
     from trl.chat_template_utils import parse_response
 
-    observation = env.reset(**{k: v for k, v in row.items() if k not in ("prompt", "environment")})
+    observation = env.reset(**{k: v for k, v in row.items() if k != "environment"})  # what TRL passes
     prompt = list(row["prompt"])
     if isinstance(observation, str):
         prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + observation}
