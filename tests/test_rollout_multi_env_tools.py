@@ -257,8 +257,8 @@ def test_trainer_kwargs_refuse_a_tokenizer_without_tool_calls():
 
     plugin = MultiEnv(MultiEnv.Params(environments=_recipe()["plugins"][0]["multi_env"]["environments"]))
     stage = StageSpec(trainer="grpo", model="some/hub-model", dataset=ARITH)
-    with pytest.raises(ValueError, match="plugin 'multi_env': environments\\[\\].environment: the tokenizer of "
-                                         "'some/hub-model' has no chat template"):
+    with pytest.raises(ValueError, match="plugin 'multi_env': environments\\[1\\] \\('calc'\\).environment: the "
+                                         "tokenizer of 'some/hub-model' has no chat template"):
         plugin.trl_ext_trainer_kwargs(stage=stage, tokenizer=build_tokenizer())
     kwargs = plugin.trl_ext_trainer_kwargs(stage=stage, tokenizer=build_tool_tokenizer())
     assert kwargs == {"environment_factory": {"arith": NoToolEnv, "calc": CalculatorEnv}}

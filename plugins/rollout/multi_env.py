@@ -222,12 +222,13 @@ class MultiEnv(Plugin):
         if self.params.uses_tools and not errors:
             tokenizer = _offline_tokenizer(stage.model)
             if tokenizer is not None and not _renders_tool_calls(tokenizer):
-                first = next(i for i, e in enumerate(self.params.environments) if e.environment is not None)
-                name = self.params.environments[first].name
-                errors.append(f"plugin {self.name!r}: environments[{first}] ({name!r}).environment: the model "
-                              f"{stage.model!r} has no chat template that renders and parses tool calls (use e.g. "
-                              f"embedded:tiny-qwen3-tools)")
+                errors.append(self._no_tool_template(f"the model {stage.model!r}"))
         return errors
+
+    def _no_tool_template(self, what: str) -> str:
+        first = next(i for i, e in enumerate(self.params.environments) if e.environment is not None)
+        return (f"plugin {self.name!r}: environments[{first}] ({self.params.environments[first].name!r}).environment: "
+                f"{what} has no chat template that renders and parses tool calls (use e.g. embedded:tiny-qwen3-tools)")
 
     @staticmethod
     def _reward_plugin(catalog, selection: PluginSelection):
@@ -299,8 +300,7 @@ class MultiEnv(Plugin):
         from trl_ext_plugins.rollout.tool_envs import resolve_environment
 
         if not _renders_tool_calls(tokenizer):
-            raise ValueError(f"plugin {self.name!r}: environments[].environment: the tokenizer of {stage.model!r} has "
-                             f"no chat template that renders and parses tool calls (use e.g. embedded:tiny-qwen3-tools)")
+            raise ValueError(self._no_tool_template(f"the tokenizer of {stage.model!r}"))
         return {"environment_factory": {env.name: resolve_environment(env.environment or NO_TOOL_ENVIRONMENT)
                                         for env in self.params.environments}}
 
@@ -495,10 +495,10 @@ def _offline_tokenizer(model_ref: str):
     from trl_ext.recipe import EMBEDDED_PREFIX
 
     if model_ref.startswith(EMBEDDED_PREFIX):
-        from trl_ext.embedded.models import _CONFIGS, embedded_tokenizer
+        from trl_ext.embedded.models import EMBEDDED_MODELS, embedded_tokenizer
 
         name = model_ref[len(EMBEDDED_PREFIX):]
-        return embedded_tokenizer(name) if name in _CONFIGS else None
+        return embedded_tokenizer(name) if name in EMBEDDED_MODELS else None
     if Path(model_ref).is_dir():
         from transformers import AutoTokenizer
 
