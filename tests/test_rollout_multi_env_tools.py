@@ -190,9 +190,9 @@ def test_held_out_tool_episode_runs_the_tools_and_scores_the_answer():
                                        lambda completions, answer, **kw: exact_match_reward(completions, answer),
                                        max_new_tokens=80, max_tool_calls=4)
     assert (result["accuracy"], result["n"], result["tool_calls"]) == (1.0, 2, 2.0)
-    # one round allowed: the episode stops after the first call's result, with no answer
+    # no tool round allowed: the episode ends with its first turn, whose call is not executed
     short = run_tool_episode(ScriptedModel(tokenizer), tokenizer, env, row, max_new_tokens=80, max_tool_calls=0)
-    assert len(short) == 1 and short[0]["tool_calls"][0]["function"]["name"] == "add"
+    assert len(short) == 1 and short[0]["tool_calls"][0]["function"]["name"] == "add" and env.calls == []
 
 
 # -- validation -----------------------------------------------------------------------------------------------------
