@@ -5,7 +5,9 @@ list of named ``stages``. Each error message starts with the exact field path, e
 
 Model references (``model``, ``ref_model``, ``teacher``): ``stage:<name>`` is the output folder of an earlier stage,
 ``run:<recipe>/<stage>`` a stage of another recipe's run (:func:`resolve_run_refs`), ``embedded:<name>`` a model
-built in code (see ``trl-ext plugins list``), anything else a local path or hub id.
+built in code (see ``trl-ext plugins list``), ``vllm:<url>`` (``teacher`` only) a teacher behind a vLLM server, which
+scores sampled tokens for the plugins that need no more (``opd_reward``, ``multi_teacher_opd``), anything else a local
+path or hub id.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from trl_ext.errors import RecipeError, UnknownPluginError
 STAGE_PREFIX = "stage:"
 RUN_PREFIX = "run:"
 EMBEDDED_PREFIX = "embedded:"
+SERVED_PREFIX = "vllm:"
 # Fields trl-ext manages itself; setting them in `args` would fight the runner.
 MANAGED_ARGS = {"output_dir": "use the top-level `output_dir` or `trl-ext train --output-dir`"}
 

@@ -17,7 +17,7 @@ from typing import Any
 from trl_ext.errors import RecipeError
 from trl_ext.host import PluginHost
 from trl_ext.plugin import Need
-from trl_ext.recipe import (EMBEDDED_PREFIX, STAGE_PREFIX, StageSpec, check_args_fields, did_you_mean,
+from trl_ext.recipe import (EMBEDDED_PREFIX, SERVED_PREFIX, STAGE_PREFIX, StageSpec, check_args_fields, did_you_mean,
                             instantiate_plugins)
 from trl_ext.trainers import TRAINER_KINDS, TrainerKind
 
@@ -84,6 +84,10 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
         errors.append(f"{where}.ref_model: the {stage.trainer} trainer takes no separate reference model")
     if stage.teacher and not kind.reads_teacher and not any(Need.TEACHER in p.cls.needs for p in _infos(stage, catalog)):
         errors.append(f"{where}.teacher: neither the {stage.trainer} trainer nor a selected plugin uses a teacher")
+    if stage.teacher and stage.teacher.startswith(SERVED_PREFIX) and kind.reads_teacher:
+        errors.append(f"{where}.teacher: the {stage.trainer} trainer reads the teacher's whole distribution, but a "
+                      f"served teacher ({SERVED_PREFIX}<url>) only scores sampled tokens; use a local teacher, or the "
+                      "opd_reward plugin on the grpo trainer")
     # Continue with the plugins that did resolve, so one run of `trl-ext validate` reports every problem at once.
     plugins, plugin_errors = instantiate_plugins(stage, index, catalog)
     errors += plugin_errors
@@ -182,7 +186,11 @@ def model_ref_errors(stage: StageSpec, where: str, missing_relative: bool = True
     errors = []
     for field_name in ("model", "ref_model", "teacher"):
         ref = getattr(stage, field_name)
-        if not ref or ref.startswith((STAGE_PREFIX, EMBEDDED_PREFIX)):
+        if ref and ref.startswith(SERVED_PREFIX) and field_name != "teacher":
+            errors.append(f"{where}.{field_name}: {ref!r}: only a teacher can be served ({SERVED_PREFIX}<url>); the "
+                          f"{field_name} must be a model folder, hub id, stage:<name> or embedded:<name>")
+            continue
+        if not ref or ref.startswith((STAGE_PREFIX, EMBEDDED_PREFIX, SERVED_PREFIX)):
             continue
         path = Path(ref).expanduser()
         # Another run's stage (a resolved ``run:`` reference) may not exist *yet*, like a bare relative path.

@@ -11,7 +11,8 @@ stage's other plugins and TRL, so every correction composes with them. Conventio
   no-grad forward when TRL did not record them), at the trainer's temperature; the teacher is scored at the same
   temperature, so a teacher identical to the student gives A = 0 exactly.
 * The teacher scores only the sampled tokens: one teacher forward per batch with TRL's fused LM head (see
-  :mod:`trl_ext_plugins.distill.teachers`), never ``[batch, tokens, vocabulary]`` logits.
+  :mod:`trl_ext_plugins.distill.teachers`), never ``[batch, tokens, vocabulary]`` logits; or, for a teacher served
+  by vLLM (``vllm:<url>``), one request per batch returning the sampled tokens' log-probabilities.
 * ``A_task`` is TRL GRPO's group-normalised reward advantage (``(r - mean) / (std + 1e-4)``, or without the division
   when ``args.scale_rewards`` is ``none``), broadcast to every token; ``alpha = 0`` (default) is pure distillation,
   which needs no reward signal (a reward plugin is still required by the GRPO trainer; its rewards are then only
@@ -50,12 +51,14 @@ def resolve_ref(ref: str) -> str:
 
 class TeacherPool:
     """Named teachers, loaded on first use; with ``max_resident`` > 0 at most that many stay in memory at once
-    (the least recently used is released first), for teachers that do not fit together."""
+    (the least recently used is released first), for teachers that do not fit together. A served teacher
+    (``vllm:<url>``) is connected once and never counts as resident: its weights live in its server."""
 
     def __init__(self, refs: dict[str, str], max_resident: int = 0):
         self.refs = dict(refs)
         self.max_resident = max_resident
         self.loaded: dict[str, Any] = {}
+        self.served: dict[str, tch.ServedTeacher] = {}
         self.loads = 0  # how many times a teacher was loaded (for tests and logs)
         self.device: Any = "cpu"
         self.temperature = 1.0
@@ -69,6 +72,13 @@ class TeacherPool:
         self.student_name = getattr(trainer.model.config, "_name_or_path", "") or "student"
 
     def get(self, name: str):
+        url = tch.served_url(self.refs[name])
+        if url is not None:
+            if name not in self.served:
+                teacher = tch.ServedTeacher(url, self.temperature)
+                teacher.connect(self.student_tokenizer, self.student_name)
+                self.served[name] = teacher
+            return self.served[name]
         if name in self.loaded:
             self.loaded[name] = self.loaded.pop(name)  # most recently used last
             return self.loaded[name]
@@ -88,7 +98,7 @@ def teacher_logps_by_route(pool: TeacherPool, routes: list[str], batch, micro_ba
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
     for name in dict.fromkeys(routes):  # each teacher once, in first-seen order
         rows = torch.tensor([i for i, r in enumerate(routes) if r == name], device=out.device)
-        logps = tch.sampled_token_logps(pool.get(name), batch.prompt_ids[rows], batch.prompt_mask[rows],
+        logps = tch.score_sampled_tokens(pool.get(name), batch.prompt_ids[rows], batch.prompt_mask[rows],
                                         batch.completion_ids[rows], batch.completion_mask[rows], micro_batch)
         out[rows] = logps.to(out.device)
     return out
@@ -212,7 +222,8 @@ class OPDReward(_OPDBase):
 
 class MultiTeacherParams(OPDParams):
     teachers: dict[str, str] = Field(..., min_length=1, description="Domain -> teacher model (path, hub id, "
-                                                                    "`embedded:<name>` or `stage:<name>`). With "
+                                                                    "`embedded:<name>`, `stage:<name>` or a vLLM "
+                                                                    "server `vllm:<url>`). With "
                                                                     "`effort_column`, keys `domain@effort` name "
                                                                     "per-effort teachers (falling back to `domain`).")
     column: str = Field("domain", description="Dataset column naming each prompt's domain.")
@@ -242,7 +253,8 @@ class MultiTeacherOPD(_OPDBase):
     that domain's teacher alone and ``coef * w_domain`` (tested). Optional per-effort teachers: with
     ``effort_column``, keys ``domain@effort`` select a teacher per effort level (unverified in the literature; the
     routing key convention is trl-ext's). ``max_resident_teachers: 1`` loads teachers one at a time per batch (slower,
-    bounded memory); serving each teacher on its own vLLM server is not implemented. The MOPD IS weight
+    bounded memory); or serve each teacher on its own vLLM server (``vllm:<url>``, scored over HTTP; see
+    :class:`~trl_ext_plugins.distill.teachers.ServedTeacher`). The MOPD IS weight
     (``pi_theta/mu_theta`` with discard outside ``[eps_low, eps_high]``) is the ``icepop`` plugin with explicit bounds.
     A row whose domain has no teacher is an error naming the value and the known domains (checked on the dataset
     before training).

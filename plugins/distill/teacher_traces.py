@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -155,14 +152,9 @@ class EndpointTeacher:
         return {"endpoint": self.base, "model": self.model}
 
     def _post(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(f"{self.base}/{route}", data=json.dumps(payload).encode(), headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read())
-        except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as exc:
+            return tch.http_json(f"{self.base}/{route}", payload, self.timeout, self.api_key)
+        except (OSError, ValueError) as exc:
             raise RuntimeError(f"teacher_traces: endpoint {self.base}/{route} failed: {exc}") from None
 
     def _sampling(self) -> dict[str, Any]:
