@@ -11,12 +11,17 @@ prompts, same seed) in this one process; between rollouts ``state.global_step`` 
 so resumed tokens carry older policy versions. Reported per configuration: mean rollout seconds per step, decoding
 steps per rollout, trajectories that trained (belong to finished groups) per step, and the ratios against the run
 without the plugin: time per step, and time per trained trajectory (the fair figure: partial rollouts defer groups).
-Held-out reward is not measured here (the model is untrained); the recipe configs/partial_rollout.yaml logs it.
+
+``--held-out STEPS`` measures learning instead of speed: the recipe of configs/partial_rollout.yaml (quickstart's
+SFT warm-up, then GRPO on addition) run twice from the same warm-up through the trl-ext runner, without the plugin
+and with ``partial_rollout`` (lambda 0.75) + ``tis``, same seed and budget; it prints the train reward every 50 steps,
+the held-out greedy accuracy before and after, and each GRPO stage's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -72,6 +77,36 @@ def run(trainer, plugin, rollouts: int, batch: int, generations: int) -> dict[st
     return {"seconds": seconds / rollouts, "decode_steps": steps / rollouts, "trained": trained / rollouts}
 
 
+def held_out(steps: int, out: Path) -> None:
+    """configs/partial_rollout.yaml's GRPO stage with and without the plugin, from one SFT warm-up."""
+    import yaml
+
+    from trl_ext.catalog import Catalog
+    from trl_ext.recipe import parse_recipe
+    from trl_ext.runner import run_recipe
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    warm_up = yaml.safe_load((root / "quickstart.yaml").read_text())["stages"][0]
+    grpo = yaml.safe_load((root / "partial_rollout.yaml").read_text())["stages"][0]
+    grpo = {**grpo, "model": "stage:sft", "args": {**grpo["args"], "max_steps": steps, "save_strategy": "no"}}
+    plain = {**grpo, "name": "plain", "plugins": ["grpo", "exact_match"]}
+    partial = {**grpo, "name": "partial"}
+    info = run_recipe(parse_recipe({"seed": 0, "stages": [warm_up, plain, partial]}), str(out), Catalog.discover(),
+                      echo=lambda _m: None)
+    print(f"held-out greedy accuracy after the SFT warm-up: {info['stages']['sft']['eval']['after']['accuracy']:.3f}")
+    curves = {}
+    for name in ("plain", "partial"):
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
+        curves[name] = {r["step"]: r["reward"] for r in rows if "reward" in r}
+    marks = [s for s in range(50, steps + 1, 50) if all(s in c for c in curves.values())]
+    print(f"{'GRPO stage':<28}{'held-out':>9}{'seconds':>9}" + "".join(f"{f'r@{m}':>7}" for m in marks)
+          + "   (r@N: train reward at step N)")
+    for name, label in (("plain", "no plugin (TRL)"), ("partial", "partial_rollout 0.75 + tis")):
+        stage = info["stages"][name]
+        print(f"{label:<28}{stage['eval']['after']['accuracy']:>9.3f}{stage.get('seconds', float('nan')):>9.0f}"
+              + "".join(f"{curves[name][m]:>7.3f}" for m in marks))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rollouts", type=int, default=8)
@@ -80,7 +115,13 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--eos-bias", type=float, default=1.6)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.5])
+    parser.add_argument("--held-out", type=int, default=0, metavar="STEPS",
+                        help="compare learning instead: GRPO for STEPS steps with and without the plugin")
+    parser.add_argument("--output-dir", default=None, help="where --held-out runs (default: a temporary folder)")
     a = parser.parse_args()
+    if a.held_out:
+        held_out(a.held_out, Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-")))
+        return
 
     from trl_ext.embedded.models import materialize_model
     from trl_ext_plugins.rollout.partial_rollout import PartialRollout
