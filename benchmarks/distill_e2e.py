@@ -67,7 +67,7 @@ def single_recipe(seeds: list[int], size: int, steps: int, lmbdas: list[float], 
     return {"seed": 0, "stages": stages}
 
 
-def multi_recipe(steps: int, learning_rate: float, max_operand: int = 20) -> dict:
+def multi_recipe(steps: int, learning_rate: float, seed: int = 0, max_operand: int = 20) -> dict:
     """Two single-operation teachers, a warmed-up student, then on-policy distillation from both, or from one."""
     held_out = _held_out("embedded:domain_arithmetic", max_operand=max_operand)
     mixed_prompts = {"source": "embedded:domain_arithmetic", "split": "train",
@@ -86,7 +86,7 @@ def multi_recipe(steps: int, learning_rate: float, max_operand: int = 20) -> dic
                 "dataset": mixed_prompts, "plugins": ["grpo", "opd_reward", "exact_match"],
                 "evaluation": held_out, "args": budget}
 
-    return {"seed": 0, "stages": [
+    return {"seed": seed, "stages": [
         teacher("add_teacher", "+"),
         teacher("sub_teacher", "-"),
         {"name": "student", "trainer": "sft", "model": "embedded:tiny-qwen2-small", "plugins": ["sft"],
@@ -128,8 +128,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps of every single-teacher student")
     parser.add_argument("--lmbda", type=float, nargs="+", default=[0.5], help="gkd on-policy fractions to compare")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="single-teacher students' learning rate")
-    parser.add_argument("--multi-steps", type=int, default=300)
+    parser.add_argument("--multi-steps", type=int, default=1000, help="on-policy distillation steps of each student")
     parser.add_argument("--multi-learning-rate", type=float, default=3e-4)
+    parser.add_argument("--multi-seed", type=int, default=0, help="seed of the whole multi recipe (teachers included)")
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args()
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="distill-e2e-"))
@@ -140,7 +141,7 @@ def main() -> None:
         report_single(acc, args.seeds, args.lmbda)
         results["single"] = acc
     if args.experiment in ("multi", "both"):
-        acc = _accuracies(multi_recipe(args.multi_steps, args.multi_learning_rate), out / "multi")
+        acc = _accuracies(multi_recipe(args.multi_steps, args.multi_learning_rate, args.multi_seed), out / "multi")
         report_multi(acc)
         results["multi"] = acc
     (out / "distill_e2e.json").write_text(json.dumps(results, indent=1))
