@@ -13,9 +13,9 @@ steps per rollout, trajectories that trained (belong to finished groups) per ste
 without the plugin: time per step, and time per trained trajectory (the fair figure: partial rollouts defer groups).
 
 ``--held-out STEPS`` measures learning instead of speed: the recipe of configs/partial_rollout.yaml (quickstart's
-SFT warm-up, then GRPO on addition) run twice from the same warm-up through the trl-ext runner, without the plugin
-and with ``partial_rollout`` (lambda 0.75) + ``tis``, same seed and budget; it prints the train reward every 50 steps,
-the held-out greedy accuracy before and after, and each GRPO stage's wall time.
+SFT warm-up, then GRPO on addition) from one warm-up through the trl-ext runner, without the plugin and with
+``partial_rollout`` at each ``--fractions`` lambda (+ ``tis`` unless ``--no-tis``), same seed and budget; it prints the
+train reward every 50 steps, the held-out greedy accuracy after the warm-up and after each stage, and wall times.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def run(trainer, plugin, rollouts: int, batch: int, generations: int) -> dict[st
     return {"seconds": seconds / rollouts, "decode_steps": steps / rollouts, "trained": trained / rollouts}
 
 
-def held_out(steps: int, out: Path) -> None:
-    """configs/partial_rollout.yaml's GRPO stage with and without the plugin, from one SFT warm-up."""
+def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, seed: int, out: Path) -> None:
+    """configs/partial_rollout.yaml's GRPO stage without the plugin and at each lambda, from one SFT warm-up."""
     import yaml
 
     from trl_ext.catalog import Catalog
@@ -89,22 +89,28 @@ def held_out(steps: int, out: Path) -> None:
     warm_up = yaml.safe_load((root / "quickstart.yaml").read_text())["stages"][0]
     grpo = yaml.safe_load((root / "partial_rollout.yaml").read_text())["stages"][0]
     grpo = {**grpo, "model": "stage:sft", "args": {**grpo["args"], "max_steps": steps, "save_strategy": "no"}}
-    plain = {**grpo, "name": "plain", "plugins": ["grpo", "exact_match"]}
-    partial = {**grpo, "name": "partial"}
-    info = run_recipe(parse_recipe({"seed": 0, "stages": [warm_up, plain, partial]}), str(out), Catalog.discover(),
+    stages = {"plain": {**grpo, "name": "plain", "plugins": ["grpo", "exact_match"]}}
+    labels = {"plain": "no plugin (TRL)"}
+    for fraction in fractions:
+        name = f"partial{round(fraction * 100)}"
+        plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": False}}
+        stages[name] = {**grpo, "name": name, "plugins": ["grpo", plugin, *(["tis"] if tis else []), "exact_match"],
+                        "args": {**grpo["args"], "max_steps": partial_steps}}
+        labels[name] = f"partial_rollout {fraction}" + (" + tis" if tis else "")
+    info = run_recipe(parse_recipe({"seed": seed, "stages": [warm_up, *stages.values()]}), str(out), Catalog.discover(),
                       echo=lambda _m: None)
     print(f"held-out greedy accuracy after the SFT warm-up: {info['stages']['sft']['eval']['after']['accuracy']:.3f}")
     curves = {}
-    for name in ("plain", "partial"):
+    for name in stages:
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
         curves[name] = {r["step"]: r["reward"] for r in rows if "reward" in r}
-    marks = [s for s in range(50, steps + 1, 50) if all(s in c for c in curves.values())]
+    marks = [s for s in range(50, max(steps, partial_steps) + 1, 50) if any(s in c for c in curves.values())]
     print(f"{'GRPO stage':<28}{'held-out':>9}{'seconds':>9}" + "".join(f"{f'r@{m}':>7}" for m in marks)
           + "   (r@N: train reward at step N)")
-    for name, label in (("plain", "no plugin (TRL)"), ("partial", "partial_rollout 0.75 + tis")):
+    for name, label in labels.items():
         stage = info["stages"][name]
         print(f"{label:<28}{stage['eval']['after']['accuracy']:>9.3f}{stage.get('seconds', float('nan')):>9.0f}"
-              + "".join(f"{curves[name][m]:>7.3f}" for m in marks))
+              + "".join(f"{curves[name][m]:>7.3f}" if m in curves[name] else f"{'-':>7}" for m in marks))
 
 
 def main() -> None:
@@ -117,10 +123,16 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.75, 0.5])
     parser.add_argument("--held-out", type=int, default=0, metavar="STEPS",
                         help="compare learning instead: GRPO for STEPS steps with and without the plugin")
+    parser.add_argument("--partial-steps", type=int, default=0, help="--held-out: steps of the partial_rollout "
+                        "stages (default: the same STEPS; more matches the trajectories trained, as deferred groups "
+                        "do not train in the step that deferred them)")
+    parser.add_argument("--no-tis", action="store_true", help="--held-out without the tis correction")
+    parser.add_argument("--seed", type=int, default=0, help="--held-out: the recipe seed (warm-up and GRPO)")
     parser.add_argument("--output-dir", default=None, help="where --held-out runs (default: a temporary folder)")
     a = parser.parse_args()
     if a.held_out:
-        held_out(a.held_out, Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-")))
+        out = Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-"))
+        held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, not a.no_tis, a.seed, out)
         return
 
     from trl_ext.embedded.models import materialize_model
