@@ -54,15 +54,17 @@ class StandInVLLM:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    return self._reply({"object": "list", "data": [{"id": n, "object": "model"} for n in stand_in.names]})
+                    models = [{"id": n, "object": "model"} for n in stand_in.names]
+                    return self._reply({"object": "list", "data": models})
                 self._reply({"error": "not found"}, 404)
 
             def do_POST(self):
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stand_in.requests.append((self.path, payload))
                 if self.path == "/tokenize":
-                    ids = stand_in.tokenizer(payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True))
-                    return self._reply({"count": len(ids["input_ids"]), "max_model_len": 512, "tokens": ids["input_ids"]})
+                    special = payload.get("add_special_tokens", True)
+                    ids = stand_in.tokenizer(payload["prompt"], add_special_tokens=special)["input_ids"]
+                    return self._reply({"count": len(ids), "max_model_len": 512, "tokens": ids})
                 if self.path == "/v1/completions":
                     return self._reply(stand_in.completions(payload))
                 self._reply({"error": "not found"}, 404)
