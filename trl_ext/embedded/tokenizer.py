@@ -25,6 +25,23 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 ALPHABET = string.digits + "+-*/=()<>.,:;?! \n" + string.ascii_letters
 
 
+def character_backend(special_tokens, alphabet: str, unk_token: str) -> Tokenizer:
+    """A byte-level BPE without merges: ids ``0..`` are ``special_tokens``, then one id per ``alphabet`` character."""
+    # Byte-level BPE stores characters in the byte-level alphabet (" " is "Ġ", "\n" is "Ċ").
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {token: i for i, token in enumerate(special_tokens)}
+    for character in alphabet:
+        ((symbol, _),) = byte_level.pre_tokenize_str(character)
+        vocab[symbol] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk_token))
+    # NFC is what Qwen2Tokenizer normalizes with. Its regex split is left out: with no merges it
+    # cannot change any id.
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Return the embedded tokenizer: ids 0-3 are pad, bos, eos, unk, then one id per `ALPHABET` character.
 
@@ -33,20 +50,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     Padding is on the left, which batched generation needs; TRL's trainers pad their own batches
     with an explicit side, so this setting does not affect SFT, DPO, KTO, reward or GRPO training.
     """
-    # Byte-level BPE stores characters in the byte-level alphabet (" " is "Ġ", "\n" is "Ċ").
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for character in ALPHABET:
-        ((symbol, _),) = byte_level.pre_tokenize_str(character)
-        vocab[symbol] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
-    # NFC is what Qwen2Tokenizer normalizes with. Its regex split is left out: with no merges it
-    # cannot change any id.
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+        tokenizer_object=character_backend(SPECIAL_TOKENS, ALPHABET, UNK_TOKEN),
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,

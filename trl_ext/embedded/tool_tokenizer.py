@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import string
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
+
+from trl_ext.embedded.tokenizer import character_backend
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -48,15 +50,7 @@ def build_tool_tokenizer() -> PreTrainedTokenizerFast:
     No bos and no special token added automatically; padding on the left (batched generation), as the embedded
     tokenizer.
     """
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for character in ALPHABET:
-        ((symbol, _),) = byte_level.pre_tokenize_str(character)
-        vocab[symbol] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
+    backend = character_backend(SPECIAL_TOKENS, ALPHABET, UNK_TOKEN)
     # Added tokens are matched before pre-tokenization, so "<tool_call>" is one id, never eleven characters.
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
