@@ -200,8 +200,8 @@ class ServedTeacher:
                                "different tokenizers (they split a probe text differently); the teacher must score "
                                "the student's token ids (use a teacher of the same model family)")
         if self.temperature != 1.0:
-            ids = expected[:16]
-            if self._prompt_logps([ids], self.temperature) == self._prompt_logps([ids], 1.0):
+            ids = expected[:16]  # position 0 has no log-probability, so compare from position 1
+            if self._prompt_logps([ids], self.temperature)[0][1:] == self._prompt_logps([ids], 1.0)[0][1:]:
                 raise TeacherError(f"served teacher {SERVED_PREFIX}{self.url} ignores the temperature "
                                    f"{self.temperature} in its log-probabilities; restart it with "
                                    "`--logprobs-mode processed_logprobs`")
