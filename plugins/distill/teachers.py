@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -138,9 +137,9 @@ def sampled_token_logps(teacher, prompt_ids: torch.Tensor, prompt_mask: torch.Te
 def score_sampled_tokens(teacher, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                          completion_mask: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
     """:func:`sampled_token_logps` for a loaded teacher, or the server's answer for a :class:`ServedTeacher`."""
-    score = teacher.sampled_token_logps if isinstance(teacher, ServedTeacher) else \
-        lambda *args: sampled_token_logps(teacher, *args)
-    return score(prompt_ids, prompt_mask, completion_ids, completion_mask, batch_size)
+    if isinstance(teacher, ServedTeacher):
+        return teacher.sampled_token_logps(prompt_ids, prompt_mask, completion_ids, completion_mask, batch_size)
+    return sampled_token_logps(teacher, prompt_ids, prompt_mask, completion_ids, completion_mask, batch_size)
 
 
 def http_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 600.0,
@@ -176,7 +175,6 @@ class ServedTeacher:
     def __init__(self, url: str, temperature: float = 1.0, timeout: float = 600.0):
         self.url, self.temperature, self.timeout = url.rstrip("/"), float(temperature), timeout
         self.model: str | None = None
-        self.requests = 0  # scoring requests sent (for tests and logs)
 
     def _call(self, route: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
         try:
@@ -208,7 +206,6 @@ class ServedTeacher:
 
     def _prompt_logps(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
         """Each sequence's per-position log-probability of its own token (position 0 has none: NaN)."""
-        self.requests += 1
         reply = self._call("v1/completions", {"model": self.model, "prompt": sequences, "max_tokens": 1,
                                               "temperature": temperature, "prompt_logprobs": 1})
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
@@ -232,7 +229,6 @@ class ServedTeacher:
             out.append(row)
         return out
 
-    @torch.no_grad()
     def sampled_token_logps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                             completion_mask: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
         """``(B, T)`` log-probabilities of the completion tokens, 0 where ``completion_mask`` is 0 (as
