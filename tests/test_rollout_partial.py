@@ -219,3 +219,37 @@ def test_training_checkpoint_mid_iteration_resumes_the_buffer(tiny_trainer, tmp_
     assert probe.seen == saved
     unfinished = sum(not s["finished"] for g in saved for s in g["samples"])
     assert second.history[0]["partial_rollout/resumed_trajectories"] == unfinished
+
+
+def _saved_group(tag: int) -> dict:
+    return {"rows": [{"prompt": f"{tag}+1=", "answer": str(tag + 1)}],
+            "samples": [{"ids": [tag, tag], "logps": [-0.5, -0.25], "versions": [tag, tag], "finished": False}]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_resume_on_a_different_number_of_processes_deals_every_group_once(tmp_path, world):
+    """A checkpoint written by 2 ranks (3 and 2 groups) resumed on `world` ranks: same world reads its own file;
+    otherwise the 5 groups are dealt round-robin in rank order, none lost, none duplicated."""
+    import json
+    from types import SimpleNamespace
+
+    from trl_ext_plugins.rollout.partial_rollout import PartialRolloutCheckpoint
+
+    checkpoint = tmp_path / "checkpoint-5"
+    checkpoint.mkdir()
+    written = {0: [_saved_group(t) for t in (0, 1, 2)], 1: [_saved_group(t) for t in (10, 11)]}
+    for rank, groups in written.items():
+        (checkpoint / f"partial_rollout_rank{rank}.json").write_text(json.dumps(groups))
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=5)
+    restored = []
+    for rank in range(world):
+        plugin = PartialRollout(PartialRollout.Params())
+        PartialRolloutCheckpoint(plugin, rank, world).on_train_begin(args, state, None)
+        restored.append([g["rows"][0]["prompt"] for g in plugin.buffer_state()])
+    expected = {1: [["0+1=", "1+1=", "2+1=", "10+1=", "11+1="]],
+                2: [["0+1=", "1+1=", "2+1="], ["10+1=", "11+1="]],
+                3: [["0+1=", "10+1="], ["1+1=", "11+1="], ["2+1="]]}[world]
+    assert restored == expected
+    plugin = PartialRollout(PartialRollout.Params())
+    PartialRolloutCheckpoint(plugin, 0, world).on_train_begin(args, state, None)
+    assert plugin.buffer[0].samples[0].ids == [0, 0] and plugin.buffer[0].samples[0].logps == [-0.5, -0.25]

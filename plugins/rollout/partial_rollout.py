@@ -103,7 +103,8 @@ class PartialRollout(Plugin):
       so it also leaves the aggregation denominator);
     * the buffer is saved with every checkpoint (``partial_rollout_rank<r>.json`` in the checkpoint folder, written
       atomically) and restored when training resumes from it, so no prefix is lost (dataset row values that are not
-      JSON types come back as their string form);
+      JSON types come back as their string form); resumed on a different number of processes, the saved groups are
+      dealt round-robin over the new ranks;
     * the plugin implements ``trl_ext_token_weights`` (for ``mask_offpolicy``), so trl-ext's loss pipeline computes
       the loss (TRL's loss re-expressed; TRL options it does not re-implement are refused at validation);
     * evaluation generates every trajectory to the end (plain TRL generation). Transformers generation only (no vLLM,
@@ -280,7 +281,8 @@ class PartialRollout(Plugin):
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
-        trainer.add_callback(PartialRolloutCheckpoint(self, trainer.accelerator.process_index))
+        accelerator = trainer.accelerator
+        trainer.add_callback(PartialRolloutCheckpoint(self, accelerator.process_index, accelerator.num_processes))
 
     def buffer_state(self) -> list[dict]:
         return [{"rows": g.rows, "samples": [asdict(s) for s in g.samples]} for g in self.buffer]
@@ -290,16 +292,20 @@ class PartialRollout(Plugin):
 
 
 class PartialRolloutCheckpoint(TrainerCallback):
-    """Writes the buffer of unfinished groups into each checkpoint and restores it when training resumes."""
+    """Writes the buffer of unfinished groups into each checkpoint and restores it when training resumes.
 
-    def __init__(self, plugin: PartialRollout, rank: int):
-        self.plugin, self.rank = plugin, rank
+    Each rank writes its own file. A run resumed with as many processes reads its own rank's file; with a different
+    number, every rank reads all the files, concatenates their groups in rank order and keeps every ``world``-th
+    group starting at its rank, so no group is lost or trained twice when a job restarts on more or fewer GPUs."""
 
-    def _path(self, args, step: int) -> Path:
-        return Path(args.output_dir) / f"checkpoint-{step}" / BUFFER_FILE.format(rank=self.rank)
+    def __init__(self, plugin: PartialRollout, rank: int, world: int = 1):
+        self.plugin, self.rank, self.world = plugin, rank, world
+
+    def _path(self, args, step: int, rank: int) -> Path:
+        return Path(args.output_dir) / f"checkpoint-{step}" / BUFFER_FILE.format(rank=rank)
 
     def on_save(self, args, state, control, **kwargs):
-        path = self._path(args, state.global_step)
+        path = self._path(args, state.global_step, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(self.plugin.buffer_state(), default=str))
@@ -308,6 +314,23 @@ class PartialRolloutCheckpoint(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:
             return
-        path = self._path(args, state.global_step)
-        if path.exists():
-            self.plugin.load_buffer_state(json.loads(path.read_text()))
+        files = saved_buffer_files(self._path(args, state.global_step, 0).parent)
+        if not files:
+            return
+        if len(files) == self.world:
+            own = files.get(self.rank)
+            self.plugin.load_buffer_state(json.loads(own.read_text()) if own is not None else [])
+            return
+        groups = [g for rank in sorted(files) for g in json.loads(files[rank].read_text())]
+        self.plugin.load_buffer_state(groups[self.rank::self.world])
+
+
+def saved_buffer_files(checkpoint: Path) -> dict[int, Path]:
+    """The buffer files a checkpoint holds, by the rank that wrote them."""
+    prefix, suffix = BUFFER_FILE.split("{rank}")
+    files = {}
+    for path in checkpoint.glob(BUFFER_FILE.format(rank="*")):
+        index = path.name[len(prefix):-len(suffix)]
+        if index.isdigit():
+            files[int(index)] = path
+    return files
