@@ -229,6 +229,28 @@ def test_completions_are_correct_or_deliberately_wrong():
     assert sum(unpaired["label"]) == len(unpaired) // 2
 
 
+def test_verbose_tails_are_long_tailed_fixed_per_problem_and_ignored_by_the_reward():
+    plain = arithmetic_dataset("train")
+    assert arithmetic_dataset("train", tail_fraction=0.0)["completion"] == plain["completion"]
+    tailed = arithmetic_dataset("train", tail_fraction=0.2, tail_max=40)
+    lengths = []
+    for row, base in zip(tailed, plain, strict=True):
+        body = row["completion"].removesuffix(EOS_TOKEN)
+        assert body.startswith(row["answer"]) and body.count(".") == len(body) - len(row["answer"])
+        lengths.append(len(body) - len(row["answer"]))
+    tails = sorted(n for n in lengths if n)
+    assert 0.17 < len(tails) / len(lengths) < 0.23
+    # log-uniform in [1, 40]: half the tails at most ~6 tokens, yet some near the cap
+    assert 1 <= tails[0] and tails[-1] <= 40 and tails[len(tails) // 2] <= 8 and tails[-1] >= 35
+    assert exact_match_reward(tailed["completion"], tailed["answer"]) == [1.0] * len(tailed)
+    # the same problem gets the same tail whatever the split size or row order
+    assert arithmetic_dataset("train", tail_fraction=0.2, tail_max=40, size=50)["completion"] == tailed["completion"][:50]
+    with pytest.raises(ValueError, match="tail_fraction"):
+        arithmetic_dataset("train", tail_fraction=1.5)
+    with pytest.raises(ValueError, match="tail_max"):
+        arithmetic_dataset("train", tail_fraction=0.1, tail_max=0)
+
+
 def test_sft_trainer_adds_no_second_eos(tokenizer, model_dir, tmp_path):
     from trl import SFTConfig, SFTTrainer
 

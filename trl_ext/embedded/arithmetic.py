@@ -6,6 +6,7 @@ problems never appear in training and every call with the same arguments returns
 The answer is plain text ending with the eos token, which the embedded tokenizer encodes as one token.
 """
 
+import math
 import random
 import re
 from collections.abc import Callable
@@ -45,6 +46,14 @@ def _wrong_answer(a: int, op: str, b: int, answer: int, seed: int) -> int:
     return rng.choice(candidates)
 
 
+def _tail_length(a: int, op: str, b: int, seed: int, fraction: float, longest: int) -> int:
+    """0, or with probability `fraction` a length log-uniform in [1, `longest`]: most tails short, a few long."""
+    rng = random.Random(f"{seed}:tail:{a}{op}{b}")  # per problem, independent of row order
+    if rng.random() >= fraction:
+        return 0
+    return min(longest, int(math.exp(rng.uniform(0.0, math.log(longest + 1)))))
+
+
 def arithmetic_dataset(
     split: str = "train",
     format: str = "prompt_completion",
@@ -52,6 +61,8 @@ def arithmetic_dataset(
     max_operand: int = 50,
     size: int | None = None,
     operations: str = "+",
+    tail_fraction: float = 0.0,
+    tail_max: int = 48,
 ) -> Dataset:
     """Return the `split` ("train" or "test") of the arithmetic task in a TRL dataset `format`.
 
@@ -65,7 +76,15 @@ def arithmetic_dataset(
     The completions already end with eos, so the trainers, which append eos only when it is missing,
     do not add a second one.
     `size` keeps the first `size` problems of the (shuffled) split. `operations` is a string of "+-*".
+    `tail_fraction` (prompt_completion only) gives that share of problems a verbose tail after the answer: "46" then
+    L dots then eos, L log-uniform in [1, `tail_max`] and fixed per problem. The reward ignores text after the leading
+    integer, so a model warmed up on it samples a long-tailed length distribution that RL does not penalise (the
+    setting of partial rollouts: benchmarks/partial_rollout.py --long-tail).
     """
+    if not 0.0 <= tail_fraction <= 1.0:
+        raise ValueError(f"tail_fraction must lie in [0, 1], got {tail_fraction}")
+    if tail_max < 1:
+        raise ValueError(f"tail_max must be at least 1, got {tail_max}")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     problems = _problems(split, seed, max_operand, operations)
@@ -79,7 +98,7 @@ def arithmetic_dataset(
         answer = _OPERATIONS[op](a, b)
         row = {"prompt": f"{a}{op}{b}=", "answer": str(answer)}
         if format == "prompt_completion":
-            row["completion"] = f"{answer}{EOS_TOKEN}"
+            row["completion"] = f"{answer}{'.' * _tail_length(a, op, b, seed, tail_fraction, tail_max)}{EOS_TOKEN}"
         elif format == "preference":
             row["chosen"] = f"{answer}{EOS_TOKEN}"
             row["rejected"] = f"{_wrong_answer(a, op, b, answer, seed)}{EOS_TOKEN}"
