@@ -130,6 +130,17 @@ def test_calculator_environment_follows_trl_contract():
     assert calc_tool_prompts("test", size=8)["prompt"] != rows["prompt"]
 
 
+def test_one_call_problems_are_the_first_operation_of_the_two_call_ones():
+    two, one = calc_tool_prompts("train", size=8), calc_tool_prompts("train", size=8, calls=1)
+    for long, short, answer in zip(two["prompt"], one["prompt"], one["answer"], strict=True):
+        a, op, b = re.match(r"(\d+)([-+*])(\d+)\?$", short).groups()
+        assert long.startswith(f"({a}{op}{b})") and FUNCTIONS[OPS[op]](int(a), int(b)) == int(answer)
+    turns = calc_tool_prompts("train", format="prompt_completion", size=1, calls=1)[0]["completion"]
+    assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"] and turns[1]["content"] == turns[2]["content"]
+    with pytest.raises(ValueError, match="calls must be 1 or 2"):
+        calc_tool_prompts("train", calls=3)
+
+
 def test_warm_up_conversations_render_the_tool_calls_grpo_parses():
     """The SFT rows render (with their ``tools``) to the same prompt GRPO generates from, followed by tool calls that
     TRL's parser reads back as the expert's calls; the arithmetic rows carry no tools."""

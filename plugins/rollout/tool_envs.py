@@ -112,7 +112,7 @@ def environment_tools(cls: type) -> list[str]:
 
 
 def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 0, size: int = 64,
-                      max_operand: int = 20, arithmetic_rows: int = 0) -> Dataset:
+                      max_operand: int = 20, arithmetic_rows: int = 0, calls: int = 2) -> Dataset:
     """The calculator task for :class:`CalculatorEnv`. ``format: prompt`` (GRPO): ``prompt`` (``"(12+34)*2?"``) and
     the gold ``answer``. ``format: prompt_completion`` (an SFT warm-up with a tool-calling chat template): the
     ``prompt`` as one user message, the expert ``completion`` as messages (an assistant tool call per operation with
@@ -120,7 +120,10 @@ def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 
     the prompt as GRPO does) and ``answer``; ``arithmetic_rows`` more rows of the embedded arithmetic task (addition,
     operands below ``max_operand``, same split) as tool-free conversations (``"12+34="`` -> ``"46"``) follow, so one
     warm-up serves a ``multi_env`` run that mixes both. The problems are those of ``calc_tool`` (same split
-    streams)."""
+    streams); ``calls: 1`` keeps only their first operation (``"12+7?"``, one tool call, then the answer), an easier
+    task for a small model."""
+    if calls not in (1, 2):
+        raise ValueError(f"calls must be 1 or 2, got {calls!r}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if format not in ("prompt", "prompt_completion"):
@@ -133,14 +136,15 @@ def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 
         a, first, b, second, c = (rng.randrange(max_operand), rng.choice(names), rng.randrange(max_operand),
                                   rng.choice(names), rng.randrange(max_operand))
         x = FUNCTIONS[first](a, b)
-        answer = FUNCTIONS[second](x, c)
-        row = {"prompt": f"({a}{SYMBOLS[first]}{b}){SYMBOLS[second]}{c}?", "answer": str(answer)}
+        answer = FUNCTIONS[second](x, c) if calls == 2 else x
+        question = f"({a}{SYMBOLS[first]}{b}){SYMBOLS[second]}{c}?" if calls == 2 else f"{a}{SYMBOLS[first]}{b}?"
+        row = {"prompt": question, "answer": str(answer)}
         if format == "prompt_completion":
-            row = {"prompt": [{"role": "user", "content": row["prompt"]}],
-                   "completion": [_tool_call_message(first, a, b), {"role": "tool", "name": first, "content": str(x)},
-                                  _tool_call_message(second, x, c),
-                                  {"role": "tool", "name": second, "content": str(answer)},
-                                  {"role": "assistant", "content": str(answer)}],
+            turns = [_tool_call_message(first, a, b), {"role": "tool", "name": first, "content": str(x)}]
+            if calls == 2:
+                turns += [_tool_call_message(second, x, c), {"role": "tool", "name": second, "content": str(answer)}]
+            row = {"prompt": [{"role": "user", "content": question}],
+                   "completion": [*turns, {"role": "assistant", "content": str(answer)}],
                    "tools": tools, "answer": str(answer)}
         rows.append(row)
     if arithmetic_rows:
