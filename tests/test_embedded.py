@@ -249,6 +249,8 @@ def test_verbose_tails_are_long_tailed_fixed_per_problem_and_ignored_by_the_rewa
         arithmetic_dataset("train", tail_fraction=1.5)
     with pytest.raises(ValueError, match="tail_max"):
         arithmetic_dataset("train", tail_fraction=0.1, tail_max=0)
+    with pytest.raises(ValueError, match="needs format 'prompt_completion'"):
+        arithmetic_dataset("train", format="prompt", tail_fraction=0.1)
 
 
 def test_sft_trainer_adds_no_second_eos(tokenizer, model_dir, tmp_path):

@@ -273,7 +273,8 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
             continue
         if spec.source.startswith(EMBEDDED_PREFIX):
             builder = catalog.datasets.get(spec.source[len(EMBEDDED_PREFIX):], (None,))[0]
-            errors += _builder_param_errors(builder, spec.params, f"{where}.{field_name}.params")
+            problems = _builder_param_errors(builder, spec.params, f"{where}.{field_name}.params")
+            errors += problems or _builder_value_errors(builder, spec, f"{where}.{field_name}.params")
             continue
         path = Path(spec.source).expanduser()
         if spec.source.startswith((".", "/", "~")) and not path.exists():
@@ -338,6 +339,19 @@ def _builder_param_errors(builder, params: dict[str, Any], where: str) -> list[s
     accepted = [name for name in signature.parameters if name != "split"]
     return [f"{where}.{key}: not a parameter of this embedded dataset.{did_you_mean(key, accepted)} (accepted: "
             f"{', '.join(accepted)})" for key in params if key not in accepted]
+
+
+def _builder_value_errors(builder, spec, where: str) -> list[str]:
+    """Build an embedded dataset whose recipe gives params, so a value the builder refuses (a size beyond the split,
+    an option that does not fit the format) is reported now, before any model loads. Embedded builders are synthetic
+    and fast; the runner builds the split again when it trains."""
+    if builder is None or not spec.params:
+        return []
+    try:
+        builder(split=spec.split, **spec.params)
+    except (ValueError, TypeError) as exc:
+        return [f"{where}: {exc}"]
+    return []
 
 
 def local_dataset_columns(path: Path) -> set[str] | None:

@@ -85,6 +85,8 @@ def arithmetic_dataset(
         raise ValueError(f"tail_fraction must lie in [0, 1], got {tail_fraction}")
     if tail_max < 1:
         raise ValueError(f"tail_max must be at least 1, got {tail_max}")
+    if tail_fraction and format != "prompt_completion":
+        raise ValueError(f"tail_fraction shapes completions: it needs format 'prompt_completion', got {format!r}")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     problems = _problems(split, seed, max_operand, operations)
