@@ -111,8 +111,8 @@ class PartialRollout(Plugin):
       tools, continuous batching or multimodal prompts); it fills the ``generation`` and ``refill`` slots, so it does
       not combine with ``rollout_logprobs`` or ``dynamic_sampling``. ``generate`` keeps decoding every row of a call
       until the call ends, so what the plugin saves is decoding steps per optimizer step, not per trained trajectory
-      (measured with long-tailed lengths, ``benchmarks/partial_rollout.py --long-tail``: rollout time per step 0.52 of
-      TRL's, per trained trajectory 1.08, held-out matching at equal trajectories trained).
+      (measured with long-tailed lengths, ``benchmarks/partial_rollout.py --long-tail``, two seeds: rollout time per
+      step 0.52-0.59 of TRL's, per trained trajectory 1.08-1.19, held-out matching at equal trajectories trained).
 
     Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
