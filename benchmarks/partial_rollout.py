@@ -25,8 +25,9 @@ rises to 64. Measured (``--held-out 400 --partial-steps 1000 --fractions 0.75 --
 seeds 0 and 1): rollout seconds per step 0.52 and 0.59 of TRL's (about 26 decoding steps against 64), about half the
 batch trained per step, so 1.08 and 1.19 of TRL's rollout seconds per trained trajectory; the held-out curve matches
 once aligned by trajectories trained (seed 0: TRL 0.580 at 51.2k, partial 0.580 at 46.7k and 0.605 at 53.9k; seed 1:
-TRL 0.280 at 51.2k, partial 0.280 at 49.5k and at 56.2k) and lags when aligned by steps (seed 0: 0.495 at step 400). Transformers generation decodes every row until the call ends, finished or not, so cutting decoding steps saves
-time per step but not per trained trajectory; engines that free a finished row's slot (vLLM) are where the saving is
+TRL 0.280 at 51.2k, partial 0.280 at 49.5k and at 56.2k) and lags when aligned by steps (seed 0: 0.495 at step 400).
+Transformers generation decodes every row until the call ends, finished or not, so cutting decoding steps saves time
+per step but not per trained trajectory; engines that free a finished row's slot (vLLM) are where the saving is
 reported (APRIL), and the plugin does not drive them yet.
 """
 
