@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from trl_ext.embedded.arithmetic import solve
 from trl_ext.errors import RecipeError
 from trl_ext.recipe import StageSpec
 from trl_ext.stage import resolve_stage
@@ -15,6 +16,7 @@ from trl_ext_plugins.rollout.control_math import (
     majority_vote,
     repetition_penalties,
     uncertainty_reward,
+    verified_solve_rate,
 )
 from trl_ext_plugins.rollout.datasets import arithmetic_proposals
 from trl_ext_plugins.rollout.self_play import SelfPlay, solver_rows
@@ -42,10 +44,32 @@ def test_solver_rows_keep_the_band_with_majority_labels():
                ["4"] * 5 + ["5"] * 5,        # p_hat 0.5: kept, label "4" (seen first)
                ["81", "80", "18", "81", "1", "", "81", "8", "2", "0"],  # 0.3: kept (|0.3 - 0.5| <= 0.25)
                [""] * 10]                    # nothing parsed: dropped
-    assert solver_rows(questions, answers, delta=0.25) == [
+    assert solver_rows(questions, [majority_vote(a) for a in answers], delta=0.25) == [
         {"prompt": "2+2=", "answer": "4", "p_hat": 0.5},
         {"prompt": "9*9=", "answer": "81", "p_hat": 0.3},
     ]
+
+
+def test_verified_labels_use_the_solve_rate():
+    assert verified_solve_rate(["4", "4", "5", ""], "4") == ("4", 0.5)
+    assert verified_solve_rate(["4", "4", "4", "5"], "5") == ("5", 0.25)  # the majority is wrong: the label is not
+    assert verified_solve_rate(["4"], None) == (None, 0.0)  # the verifier rejected the problem
+    plugin = SelfPlay(SelfPlay.Params(role="solver", partner="unused", labels="verifier", verifier="arithmetic"))
+    questions = ["2+2=", "9*9=", "5-7=", "3+3="]
+    answers = [["4"] * 5 + ["5"] * 5,              # solve rate 0.5: kept
+               ["80"] * 7 + ["81"] * 3,            # majority 80 (p_hat 0.7) but solve rate 0.3: kept, label 81
+               ["2"] * 10,                          # solve rate 0 (answer -2): dropped
+               ["6"] * 8 + ["7", "5"]]              # solve rate 0.8: dropped
+    assert solver_rows(questions, plugin.votes(questions, answers), delta=0.25) == [
+        {"prompt": "2+2=", "answer": "4", "p_hat": 0.5},
+        {"prompt": "9*9=", "answer": "81", "p_hat": 0.3},
+    ]
+
+
+def test_the_arithmetic_verifier_parses_and_never_evaluates():
+    assert [solve(q) for q in ("12+34=", " 7 * 8 = ", "5-7=", "07+1=", "-3+4=")] == ["46", "56", "-2", "8", "1"]
+    for text in ("12+34", "2**8=", "__import__('os')=", "1+2=3", "1/2=", "", "9" * 1001 + "+1="):
+        assert solve(text) is None, text
 
 
 class StandInSolver(SelfPlay):
@@ -78,7 +102,39 @@ def test_proposer_reward_of_a_batch():
     az.table = plugin.table
     assert az._proposer_reward(prompts, completions) == pytest.approx([0.5, 0.5, 0.1, 0.0, 0.0])
     solver = SelfPlay(SelfPlay.Params(role="solver", partner="unused"))
-    assert solver.trl_ext_reward_functions(stage=None) is None  # the solver's reward is exact_match on the labels
+    assert solver.trl_ext_reward_functions(stage=None) is None
+
+
+def test_proposer_reward_with_verified_labels():
+    """labels: verifier: p_hat is the solve rate against the verified answer; a problem the verifier rejects earns 0."""
+    plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", labels="verifier", verifier="arithmetic",
+                                           question_pattern=r".*=$"))
+    plugin.table = {"1+2=": ["3"] * 5 + ["4"] * 5,   # solve rate 0.5 -> 1
+                    "7+8=": ["16"] * 9 + ["15"],     # majority wrong: solve rate 0.1 -> 0.2
+                    "1/0=": ["0"] * 10}              # matches the pattern, but not a problem of the task
+    logged = {}
+    rewards = plugin._proposer_reward(["1+", "7+", "1/"], ["2=", "8=", "0="], log_metric=logged.__setitem__)
+    # valid batch of 2, each unique: penalty 1/2
+    assert rewards == pytest.approx([1 - 0.5, max(0.0, 0.2 - 0.5), 0.0])
+    assert logged["self_play/valid"] == pytest.approx(2 / 3)
+    assert logged["self_play/solve_rate"] == pytest.approx((0.5 + 0.1) / 2)
+    assert logged["self_play/agreement"] == logged["self_play/solve_rate"]
+    # with majority labels the verifier only measures: 7+8= agrees at 0.9 but is solved at 0.1
+    measured = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", verifier="arithmetic"))
+    measured.table = plugin.table
+    logged = {}
+    measured._proposer_reward(["1+", "7+"], ["2=", "8="], log_metric=logged.__setitem__)
+    assert logged["self_play/agreement"] == pytest.approx((0.5 + 0.9) / 2)
+    assert logged["self_play/solve_rate"] == pytest.approx((0.5 + 0.1) / 2)
+
+
+def test_a_failing_verifier_is_named_in_one_line(tmp_path):
+    path = tmp_path / "checker.py"
+    path.write_text("def check(question):\n    return str(1 // 0)\n")
+    plugin = SelfPlay(SelfPlay.Params(role="solver", partner="unused", labels="verifier", verifier=f"{path}:check"))
+    with pytest.raises(ValueError, match=r"verifier .*checker.py:check' raised ZeroDivisionError: .* on the problem "
+                                         r"'1\+2='"):
+        plugin.verified_answer("1+2=")  # the solver's reward is exact_match on the labels
 
 
 def test_proposal_dataset():
@@ -94,6 +150,9 @@ def test_proposal_dataset():
     ({"role": "judge", "partner": "x"}, "params.role"),
     ({"role": "solver", "partner": "x", "delta": 0.7}, "params.delta"),
     ({"role": "solver", "partner": "x", "question_pattern": "("}, "question_pattern is not a valid regular expression"),
+    ({"role": "solver", "partner": "x", "labels": "verifier"}, "labels: verifier needs a verifier"),
+    ({"role": "solver", "partner": "x", "verifier": "no_such_module.solve"}, "verifier 'no_such_module.solve'"),
+    ({"role": "solver", "partner": "x", "labels": "oracle", "verifier": "arithmetic"}, "params.labels"),
 ])
 def test_bad_parameters_are_refused(trl_ext_catalog, register_plugin, params, message):
     register_plugin(SelfPlay)
@@ -133,3 +192,35 @@ def test_proposer_grpo_steps_with_a_real_solver(tiny_trainer, tiny_model_dir):
     logged = {k for row in trainer.state.log_history for k in row}
     assert {"rewards/self_play/mean", "self_play/valid", "self_play/agreement", "self_play/in_band"} <= logged
     assert len(plugin.history) == 2
+
+
+def test_label_accuracy_of_majority_labels_is_measured_and_logged_once(monkeypatch):
+    """With majority labels and a verifier, the solver's record says how often the kept pseudo-labels are right; it
+    reaches metrics.jsonl with step 1 only (a resumed run starts later and must not log it again)."""
+    from types import SimpleNamespace
+
+    from trl_ext_plugins.preference import generation
+    from trl_ext_plugins.rollout.self_play import _LogDatasetFigures
+
+    proposals = {"1+": "2=", "2+": "2=", "3+": "x"}  # "3+x" is malformed
+    monkeypatch.setattr(generation, "sample_completions",
+                        lambda model, tok, prompts, **kw: [[proposals[p]] for p in prompts])
+    monkeypatch.setattr(generation, "load_policy", lambda path: (None, None))
+    monkeypatch.setattr(generation, "resolve_model", lambda ref, name: ref)
+    plugin = StandInSolver(SelfPlay.Params(role="solver", partner="unused", num_questions=3, verifier="arithmetic"))
+    plugin.table = {"1+2=": ["3"] * 5 + ["2"] * 5,   # majority "3" (seen first), right
+                    "2+2=": ["5"] * 6 + ["4"] * 4}   # majority "5", wrong
+    from datasets import Dataset
+
+    rows, record = plugin._solver_rows(Dataset.from_list([{"prompt": p} for p in proposals]),
+                                       SimpleNamespace(model="unused"))
+    assert [(r["prompt"], r["answer"]) for r in rows] == [("1+2=", "3"), ("2+2=", "5")]
+    assert record == {"self_play/generated": 3, "self_play/valid": 2, "self_play/kept": 2,
+                      "self_play/label_accuracy": 0.5}
+
+    logged = []
+    callback = _LogDatasetFigures(SimpleNamespace(_log_plugin_metrics=logged.append), record)
+    for step in (1, 2, 3):
+        callback.on_step_end(None, SimpleNamespace(global_step=step), None)
+    assert logged == [record]
+

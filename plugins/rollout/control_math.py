@@ -118,6 +118,14 @@ def majority_vote(answers: Sequence[str]) -> tuple[str | None, float]:
     return label, best / len(answers)
 
 
+def verified_solve_rate(answers: Sequence[str], label: str | None) -> tuple[str | None, float]:
+    """The verified label and the solve rate, the fraction of answers equal to it (Absolute Zero's ``r_solve``);
+    ``(None, 0.0)`` when the verifier gave no label (not a valid problem)."""
+    if label is None or not answers:
+        return None, 0.0
+    return label, sum(a == label for a in answers) / len(answers)
+
+
 def uncertainty_reward(p_hat: float) -> float:
     """R-Zero's challenger reward ``r_unc = 1 - 2 |p_hat - 1/2|`` (1 at 50% solver agreement, 0 at 0 or 1)."""
     return 1.0 - 2.0 * abs(p_hat - 0.5)

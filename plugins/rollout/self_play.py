@@ -4,9 +4,11 @@ majority-vote pseudo-labels (R-Zero). The two roles alternate as stages of one r
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
+from transformers import TrainerCallback
 
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
@@ -16,18 +18,30 @@ from trl_ext_plugins.rollout.control_math import (
     majority_vote,
     repetition_penalties,
     uncertainty_reward,
+    verified_solve_rate,
 )
 
 
-def solver_rows(questions: list[str], answers: list[list[str]], delta: float) -> list[dict[str, Any]]:
-    """The solver's training rows: each problem with its majority-vote pseudo-label and ``p_hat``, kept only when
-    ``|p_hat - 1/2| <= delta`` (R-Zero's informative band) and some answer parsed."""
+def solver_rows(questions: list[str], votes: list[tuple[str | None, float]], delta: float) -> list[dict[str, Any]]:
+    """The solver's training rows: each problem with its label and ``p_hat`` (from :func:`majority_vote` or
+    :func:`verified_solve_rate`), kept only when it has a label and ``|p_hat - 1/2| <= delta`` (R-Zero's informative
+    band)."""
     rows = []
-    for question, row in zip(questions, answers, strict=True):
-        label, p_hat = majority_vote(row)
+    for question, (label, p_hat) in zip(questions, votes, strict=True):
         if label is not None and in_informative_band(p_hat, delta):
             rows.append({"prompt": question, "answer": label, "p_hat": p_hat})
     return rows
+
+
+BUILTIN_VERIFIERS = {"arithmetic": "trl_ext.embedded.arithmetic.solve"}
+
+
+def load_verifier(spec: str) -> Callable[[str], Any]:
+    """The verifier function ``spec`` names: a built-in name (:data:`BUILTIN_VERIFIERS`), ``module.function`` or
+    ``file.py:function``; ``ValueError`` with one line when it cannot be loaded."""
+    from trl_ext_plugins.rewards.python_reward import load_reward_function
+
+    return load_reward_function(BUILTIN_VERIFIERS.get(spec, spec))
 
 
 class SelfPlayParams(PluginParams):
@@ -43,6 +57,16 @@ class SelfPlayParams(PluginParams):
         "r_zero", description="r_zero: 1 - 2|p_hat - 1/2| minus the repetition penalty (the default); absolute_zero: "
                               "1 - p_hat if 0 < p_hat < 1 else 0 (the learnability reward, with p_hat the majority "
                               "agreement standing in for the solve rate).")
+    labels: Literal["majority", "verifier"] = Field(
+        "majority", description="Where answers' labels come from. majority: the most frequent of the m answers, with "
+                                "p_hat its share (R-Zero, the default); verifier: the `verifier` function's answer, "
+                                "with p_hat the share of the m answers equal to it, the solve rate (Absolute Zero's "
+                                "executor-checked tasks). Problems the verifier rejects earn 0 and are not trained on.")
+    verifier: str | None = Field(None, description="A function problem text -> answer, None for a text that is not a "
+                                 "valid problem: 'arithmetic' (the embedded task's, "
+                                 "trl_ext.embedded.arithmetic.solve), "
+                                 "module.function or file.py:function. Required by labels: verifier; with labels: "
+                                 "majority it only measures the pseudo-labels (self_play/label_accuracy).")
     repetition_weight: float = Field(1.0, ge=0.0, description="Weight of the batch repetition penalty (r_zero).")
     question_pattern: str = Field(r"^\s*\d+\s*[-+*]\s*\d+\s*=\s*$", description="Regex a well-formed problem must "
                                   "match (format-invalid problems earn 0). Default: the embedded arithmetic format.")
@@ -65,35 +89,62 @@ class SelfPlayParams(PluginParams):
                 raise ValueError(f"{name} is not a valid regular expression: {exc}") from None
         return self
 
+    @model_validator(mode="after")
+    def _verifier_loads(self):
+        if self.labels == "verifier" and self.verifier is None:
+            raise ValueError("labels: verifier needs a verifier (e.g. verifier: arithmetic)")
+        if self.verifier is not None:
+            try:
+                load_verifier(self.verifier)  # import errors surface at validation, before any model loads
+            except ValueError as exc:
+                raise ValueError(f"verifier {self.verifier!r}: {exc}") from None
+        return self
+
 
 class SelfPlay(Plugin):
     """Self-play curriculum at the solver's 50% boundary: R-Zero (Huang et al. 2025, arXiv 2508.05004); Absolute
-    Zero's learnability reward as an option (Zhao et al. 2025, arXiv 2505.03335). ALGORITHMS.md item 50.
+    Zero's verified answers and learnability reward as options (Zhao et al. 2025, arXiv 2505.03335). ALGORITHMS.md
+    item 50.
 
     ``role: proposer`` adds one reward function, ``self_play``: each proposed problem (``prompt + completion`` by
     default, so a proposer can complete a prefix such as ``12+``) that matches ``question_pattern`` is answered
-    ``samples`` times (m, default 10) by the ``partner`` solver; ``p_hat`` is the share agreeing with the majority
-    answer, and the reward is ``max(0, 1 - 2|p_hat - 1/2| - repetition_weight * |cluster| / batch)`` where clusters
-    are identical problems in the batch (R-Zero clusters by BLEU distance; exact duplicates are the special case for
-    short formal problems). A malformed problem earns 0. ``proposer_reward: absolute_zero`` uses ``1 - p_hat`` for
+    ``samples`` times (m, default 10) by the ``partner`` solver; ``p_hat`` is the share agreeing with the label, and the
+    reward is ``max(0, 1 - 2|p_hat - 1/2| - repetition_weight * |cluster| / batch)`` where clusters are identical
+    problems in the batch (R-Zero clusters by BLEU distance; exact duplicates are the special case for short formal
+    problems). A malformed problem earns 0. ``proposer_reward: absolute_zero`` uses ``1 - p_hat`` for
     ``0 < p_hat < 1`` instead. Logged: ``self_play/agreement`` (mean p_hat of valid problems), ``self_play/valid``,
-    ``self_play/in_band`` (share of valid problems with |p_hat - 1/2| <= delta).
+    ``self_play/in_band`` (share of valid problems with |p_hat - 1/2| <= delta) and, with a ``verifier``,
+    ``self_play/solve_rate`` (the solver's true accuracy on them).
 
     ``role: solver`` replaces the train split: ``num_questions`` problems are sampled from the ``partner`` proposer
     (one per dataset prompt, cycling), well-formed ones are answered m times by the stage's own (starting) solver, the
-    majority answer becomes the ``answer`` column (the pseudo-label; a binary reward such as ``exact_match`` then
-    scores against it) and only problems with ``|p_hat - 1/2| <= delta`` (default 0.25) are kept; ``p_hat`` is added
-    as a column. Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1`` (partner: stage:proposer_1),
-    ``proposer_2`` (partner: stage:solver_1), ... in one recipe (see configs/self_play.yaml).
+    label becomes the ``answer`` column (a binary reward such as ``exact_match`` then scores against it) and only
+    problems with ``|p_hat - 1/2| <= delta`` (default 0.25) are kept; ``p_hat`` is added as a column. How the rows were
+    made (``self_play/generated``, ``valid``, ``kept`` and, for majority labels with a verifier,
+    ``label_accuracy``) is logged with step 1. Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1``
+    (partner: stage:proposer_1), ``proposer_2`` (partner: stage:solver_1), ... in one recipe (configs/self_play.yaml).
 
-    Conventions chosen: answers are the first ``answer_pattern`` match of a completion (empty when none: it counts in
-    p_hat's denominator but never wins the vote); ties in the vote go to the answer seen first; sampling draws from the
-    full distribution at ``temperature`` with a fixed ``seed`` (forked RNG). The partner model is loaded once per stage with
-    ``from_pretrained`` defaults (CPU), next to the trained policy. Not implemented: BLEU clustering and R-Zero's format tags.
+    Labels, where the papers differ (``labels``):
 
-    The solver gains only where its majority vote is a better label than its single answers. On the embedded tiny
-    model it is not (greedy 0.926 against 0.797 for the majority of 10 at T=1, strong warm-up), and the solver's
-    held-out accuracy falls over the rounds of configs/self_play.yaml (its header has the figures).
+    * ``majority`` (default, R-Zero): the most frequent parsed answer is the pseudo-label and p_hat its share. No
+      answer key is needed, and the labels are only as good as the solver's vote;
+    * ``verifier`` (Absolute Zero, whose code executor computes each proposed task's answer): the ``verifier``
+      function answers the problem (``arithmetic``: the embedded task's parser, which never evaluates the text),
+      p_hat is the share of the m answers equal to it (the solve rate, Absolute Zero's ``r_solve``), and problems it
+      rejects earn 0 and are not trained on. With ``labels: majority`` a ``verifier`` only measures (``solve_rate``,
+      ``label_accuracy``).
+
+    Other conventions chosen: answers are the first ``answer_pattern`` match of a completion (empty when none: it counts
+    in p_hat's denominator but never wins the vote); ties in the vote go to the answer seen first; answers and labels
+    compare as strings; sampling draws from the full distribution at ``temperature`` with a fixed ``seed`` (forked
+    RNG). The partner model is loaded once per stage with ``from_pretrained`` defaults (CPU), next to the trained
+    policy. Not implemented: BLEU clustering and R-Zero's format tags.
+
+    Measured on the embedded task (configs/self_play*.yaml, one run each): with verified labels the solver's held-out
+    greedy accuracy rises over two rounds (0.385 -> 0.505 -> 0.525) and the proposer's problems move toward the
+    boundary (solve rate 0.145 -> 0.319); with majority labels it falls (0.385 -> 0.265 -> 0.240), because the kept
+    pseudo-labels are right only 38% and 29% of the time. The majority vote gains only where it beats the solver's
+    single answer; for this one-step answer it does not at any temperature (the recipe header has the figures).
     """
 
     name = "self_play"
@@ -104,6 +155,7 @@ class SelfPlay(Plugin):
     def __init__(self, params=None):
         super().__init__(params)
         self._partner = None
+        self._verifier = None
         self.history: list[dict[str, float]] = []
 
     def _partner_model(self):
@@ -131,6 +183,25 @@ class SelfPlay(Plugin):
             out.append(parsed)
         return out
 
+    def verified_answer(self, question: str) -> str | None:
+        """The verifier's answer to ``question`` (``None``: not a valid problem)."""
+        if self._verifier is None:
+            self._verifier = load_verifier(self.params.verifier)
+        try:
+            answer = self._verifier(question)
+        except Exception as exc:  # user code: say which verifier failed on which problem, in one line
+            raise ValueError(f"plugin {self.name!r}: verifier {self.params.verifier!r} raised "
+                             f"{type(exc).__name__}: {exc} on the problem {question!r}") from None
+        return None if answer is None else str(answer)
+
+    def votes(self, questions: list[str], answers: list[list[str]]) -> list[tuple[str | None, float]]:
+        """Each problem's label and p_hat: the majority answer and its share, or the verified answer and the solve
+        rate (``labels``)."""
+        if self.params.labels == "verifier":
+            return [verified_solve_rate(row, self.verified_answer(question))
+                    for question, row in zip(questions, answers, strict=True)]
+        return [majority_vote(row) for row in answers]
+
     # -- proposer ---------------------------------------------------------------------------------------------------
 
     @hookimpl
@@ -148,21 +219,25 @@ class SelfPlay(Plugin):
     def _proposer_reward(self, prompts, completions, log_metric=None, trainer_state=None, **kwargs):
         p = self.params
         questions = [self.question_text(x, c) for x, c in zip(prompts, completions, strict=True)]
-        pattern = re.compile(p.question_pattern)
-        valid = [i for i, q in enumerate(questions) if pattern.match(q)]
+        valid = [i for i, q in enumerate(questions) if self.well_formed(q)]
         rewards = [0.0] * len(questions)
         if valid:
             model, tokenizer = self._partner_model()
             step = trainer_state.global_step if trainer_state is not None else 0
-            votes = [majority_vote(a) for a in self.answers(model, tokenizer, [questions[i] for i in valid],
-                                                                seed=p.seed + step)]
-            penalties = repetition_penalties([questions[i] for i in valid])
+            valid_questions = [questions[i] for i in valid]
+            answers = self.answers(model, tokenizer, valid_questions, seed=p.seed + step)
+            votes = self.votes(valid_questions, answers)
+            penalties = repetition_penalties(valid_questions)
             for i, (_, p_hat), penalty in zip(valid, votes, penalties, strict=True):
                 rewards[i] = self.proposer_reward(p_hat, penalty)
             p_hats = [v[1] for v in votes]
             record = {"self_play/agreement": sum(p_hats) / len(p_hats),
                       "self_play/in_band": sum(in_informative_band(x, p.delta) for x in p_hats) / len(p_hats),
                       "self_play/valid": len(valid) / len(questions)}
+            if p.verifier is not None:  # the solver's true accuracy on the proposed problems (rejected ones: 0)
+                rates = [verified_solve_rate(row, self.verified_answer(q))[1]
+                         for q, row in zip(valid_questions, answers, strict=True)]
+                record["self_play/solve_rate"] = sum(rates) / len(rates)
         else:
             record = {"self_play/valid": 0.0}
         self.history.append(record)
@@ -171,10 +246,21 @@ class SelfPlay(Plugin):
                 log_metric(key, value)
         return rewards
 
+    def well_formed(self, question: str) -> bool:
+        """Matches ``question_pattern`` and, with verifier labels, has a verified answer."""
+        if not re.match(self.params.question_pattern, question):
+            return False
+        return self.params.labels != "verifier" or self.verified_answer(question) is not None
+
     def proposer_reward(self, p_hat: float, penalty: float) -> float:
         if self.params.proposer_reward == "absolute_zero":
             return learnability_reward(p_hat)
         return max(0.0, uncertainty_reward(p_hat) - self.params.repetition_weight * penalty)
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        if self.params.role == "solver" and self.history:
+            trainer.add_callback(_LogDatasetFigures(trainer, self.history[-1]))
 
     # -- solver -----------------------------------------------------------------------------------------------------
 
@@ -207,13 +293,31 @@ class SelfPlay(Plugin):
         completions = [row[0] for row in sample_completions(
             proposer, proposer_tokenizer, prompts, num_samples=1, max_new_tokens=p.question_max_new_tokens,
             do_sample=True, temperature=p.temperature, seed=p.seed)]
-        pattern = re.compile(p.question_pattern)
         questions = [q for q in (self.question_text(x, c) for x, c in zip(prompts, completions, strict=True))
-                     if pattern.match(q)]
+                     if self.well_formed(q)]
         if not questions:
             raise ValueError(f"plugin {self.name!r}: the proposer {p.partner!r} wrote no well-formed problem in "
                              f"{p.num_questions} tries (question_pattern {p.question_pattern!r})")
         solver, solver_tokenizer = load_policy(resolve_model(stage.model, self.name))
-        rows = solver_rows(questions, self.answers(solver, solver_tokenizer, questions, seed=p.seed + 1), p.delta)
+        answers = self.answers(solver, solver_tokenizer, questions, seed=p.seed + 1)
+        rows = solver_rows(questions, self.votes(questions, answers), p.delta)
         record = {"self_play/generated": len(prompts), "self_play/valid": len(questions), "self_play/kept": len(rows)}
+        if p.labels == "majority" and p.verifier is not None and rows:
+            # How often the pseudo-label is right (R-Zero measures it with an oracle); training does not see it.
+            record["self_play/label_accuracy"] = sum(r["answer"] == self.verified_answer(r["prompt"])
+                                                     for r in rows) / len(rows)
         return rows, record
+
+
+class _LogDatasetFigures(TrainerCallback):
+    """Logs how the solver's rows were made (generated, valid, kept, label accuracy) with the first logged step.
+
+    At the end of step 1, in training mode (TRL files metrics by the model's mode) and before that step's logging. A
+    resumed run rebuilds the same rows but starts after step 1, so the figures are logged once per run."""
+
+    def __init__(self, trainer, record: dict[str, float]):
+        self.trainer, self.record = trainer, record
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.trainer._log_plugin_metrics(self.record)
