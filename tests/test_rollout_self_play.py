@@ -224,3 +224,37 @@ def test_label_accuracy_of_majority_labels_is_measured_and_logged_once(monkeypat
         callback.on_step_end(None, SimpleNamespace(global_step=step), None)
     assert logged == [record]
 
+
+@pytest.mark.slow
+def test_verified_self_play_recipe_raises_the_solver_and_moves_the_proposer(tmp_path):
+    """configs/self_play_verified.yaml in full (about 3.5 min on 2 cores): the issue's two claims on the embedded task.
+
+    Measured on this recipe: held-out greedy 0.385 -> 0.505 -> 0.525 (200 problems, so the rise is 28 problems), and
+    the proposer's solve rate 0.145 -> 0.319 from round 1's first logged step to round 2's last."""
+    import json
+    from pathlib import Path
+
+    from trl_ext.catalog import Catalog
+    from trl_ext.recipe import load_raw, parse_recipe
+    from trl_ext.runner import run_recipe
+
+    recipe = parse_recipe(load_raw(Path(__file__).resolve().parents[1] / "configs" / "self_play_verified.yaml"))
+    info = run_recipe(recipe, tmp_path, Catalog.discover(), echo=lambda _m: None)
+    assert info["status"] == "complete"
+
+    def held_out(stage: str, when: str) -> float:
+        return json.loads((tmp_path / stage / "stage.json").read_text())["summary"]["eval"][when]["accuracy"]
+
+    start, first_round, second_round = held_out("solver_1", "before"), held_out("solver_1", "after"), \
+        held_out("solver_2", "after")
+    assert start == held_out("solver_0", "after")
+    assert second_round > start, (start, first_round, second_round)
+
+    def solve_rates(stage: str) -> list[float]:
+        rows = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
+        return [row["self_play/solve_rate"] for row in rows if "self_play/solve_rate" in row]
+
+    first, last = solve_rates("proposer_1")[0], solve_rates("proposer_2")[-1]
+    assert abs(last - 0.5) < abs(first - 0.5), (first, last)  # closer to the solver's 50% boundary
+    made = json.loads((tmp_path / "solver_1" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0 < made["self_play/kept"] <= made["self_play/valid"] <= made["self_play/generated"] == 2048
