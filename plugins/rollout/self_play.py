@@ -55,8 +55,9 @@ class SelfPlayParams(PluginParams):
                                                            "R-Zero re-implementations keep 30-70%).")
     proposer_reward: Literal["r_zero", "absolute_zero"] = Field(
         "r_zero", description="r_zero: 1 - 2|p_hat - 1/2| minus the repetition penalty (the default); absolute_zero: "
-                              "1 - p_hat if 0 < p_hat < 1 else 0 (the learnability reward, with p_hat the majority "
-                              "agreement standing in for the solve rate).")
+                              "1 - p_hat if 0 < p_hat < 1 else 0 (the learnability reward: p_hat is the solve rate "
+                              "with labels: verifier, as in Absolute Zero; the majority agreement stands in for it "
+                              "with labels: majority).")
     labels: Literal["majority", "verifier"] = Field(
         "majority", description="Where answers' labels come from. majority: the most frequent of the m answers, with "
                                 "p_hat its share (R-Zero, the default); verifier: the `verifier` function's answer, "
