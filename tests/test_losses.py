@@ -283,3 +283,32 @@ def test_extreme_log_probs_stay_finite(plugin):
     (grad,) = torch.autograd.grad(value, li.per_token_logps, allow_unused=True)
     assert torch.isfinite(value)
     assert grad is None or (torch.isfinite(grad).all() and grad[1, 2] == 0)  # masked token: exactly zero gradient
+
+
+@pytest.mark.parametrize("plugin", [GRPO(), DrGRPO(), DAPO(), GSPO(), GSPO(GSPO.Params(form="token")), GMPO(), SAPO(),
+                                    CISPO(), CEGPPO(), ClipHigher(), REINFORCE()], ids=lambda p: p.name)
+def test_infinite_and_nan_values_at_masked_positions_change_nothing(plugin):
+    """A hook called on raw inputs (padding log-probs -inf, NaN per-token advantages there) must give the same loss
+    on real tokens as with clean padding, and exactly zero gradient at the padding."""
+    theta = [[-0.3, -1.2, -0.7, 0.0], [-2.0, -0.1, 0.0, 0.0]]
+    old = [[-0.5, -1.0, -0.6, 0.0], [-1.7, -0.2, 0.0, 0.0]]
+    mask = [[1, 1, 1, 0], [1, 1, 0, 0]]
+    advantages = [[1.5, 1.5, 1.5, 0.0], [-0.5, -0.5, 0.0, 0.0]]
+    clean = make_inputs(theta, old=old, advantages=advantages, mask=mask)
+    hostile_theta = torch.tensor(theta, dtype=D)
+    hostile_theta[0, 3] = hostile_theta[1, 2] = hostile_theta[1, 3] = -math.inf
+    hostile_old = torch.tensor(old, dtype=D)
+    hostile_old[0, 3] = hostile_old[1, 3] = -math.inf
+    hostile_old[1, 2] = math.nan
+    hostile_adv = torch.tensor(advantages, dtype=D)
+    hostile_adv[0, 3] = hostile_adv[1, 2] = math.nan
+    hostile = make_inputs(hostile_theta.requires_grad_(True), old=hostile_old, advantages=hostile_adv, mask=mask)
+    expected = plugin.trl_ext_policy_loss(inputs=clean)
+    loss = plugin.trl_ext_policy_loss(inputs=hostile)
+    real = clean.mask.bool()
+    assert torch.allclose(loss[real.expand_as(loss)] if loss.shape == real.shape else loss,
+                          expected[real.expand_as(expected)] if expected.shape == real.shape else expected)
+    value = agg.Aggregation().trl_ext_aggregate_loss(per_token_loss=loss, mask=hostile.mask, inputs=hostile)
+    (grad,) = torch.autograd.grad(value, hostile.per_token_logps)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+    assert (grad[~real] == 0).all()

@@ -38,5 +38,6 @@ class CEGPPO(ObjectivePlugin):
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
         p = self.params
-        return math.ce_gppo_objective(inputs.log_ratio, inputs.advantages, inputs.epsilon_low, inputs.epsilon_high,
+        _, log_ratio, advantages = math.masked_inputs(inputs)
+        return math.ce_gppo_objective(log_ratio, advantages, inputs.epsilon_low, inputs.epsilon_high,
                                       p.beta_low, p.beta_high, p.dual_clip)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl, ops
+from trl_ext_plugins.losses import math
 from trl_ext_plugins.losses.base import ObjectivePlugin
 
 
@@ -33,6 +34,6 @@ class CISPO(ObjectivePlugin):
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
         p = self.params
-        ratio = ops.safe_ratio(inputs.log_ratio)
+        logps, log_ratio, advantages = math.masked_inputs(inputs)
         low = None if p.epsilon_low is None else 1 - p.epsilon_low
-        return ops.cispo_objective(ratio, inputs.per_token_logps, inputs.advantages, 1 + p.epsilon_high, low)
+        return ops.cispo_objective(ops.safe_ratio(log_ratio), logps, advantages, 1 + p.epsilon_high, low)

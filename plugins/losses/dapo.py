@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl, ops
+from trl_ext_plugins.losses import math
 from trl_ext_plugins.losses.base import ObjectivePlugin
 
 
@@ -51,5 +52,5 @@ class DAPO(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
-        ratio = ops.safe_ratio(inputs.log_ratio)
-        return ops.ppo_clip_objective(ratio, inputs.advantages, inputs.epsilon_low, inputs.epsilon_high)
+        _, log_ratio, advantages = math.masked_inputs(inputs)
+        return ops.ppo_clip_objective(ops.safe_ratio(log_ratio), advantages, inputs.epsilon_low, inputs.epsilon_high)

@@ -35,5 +35,5 @@ class GMPO(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
-        return math.gmpo_objective(inputs.log_ratio, inputs.advantages, inputs.mask, inputs.epsilon_low,
-                                   inputs.epsilon_high)
+        _, log_ratio, advantages = math.masked_inputs(inputs)
+        return math.gmpo_objective(log_ratio, advantages, inputs.mask, inputs.epsilon_low, inputs.epsilon_high)

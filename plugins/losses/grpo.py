@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl, ops
+from trl_ext_plugins.losses import math
 from trl_ext_plugins.losses.base import ObjectivePlugin
 
 
@@ -68,6 +69,6 @@ class GRPO(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
-        ratio = ops.safe_ratio(inputs.log_ratio)
-        return ops.ppo_clip_objective(ratio, inputs.advantages, inputs.epsilon_low, inputs.epsilon_high,
+        _, log_ratio, advantages = math.masked_inputs(inputs)
+        return ops.ppo_clip_objective(ops.safe_ratio(log_ratio), advantages, inputs.epsilon_low, inputs.epsilon_high,
                                       self.params.dual_clip)

@@ -42,8 +42,9 @@ class GSPO(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
+        _, log_ratio, advantages = math.masked_inputs(inputs)
         if self.params.form == "sequence":
-            ratio = math.gspo_sequence_ratio(inputs.log_ratio, inputs.mask)
+            ratio = math.gspo_sequence_ratio(log_ratio, inputs.mask)
         else:
             ratio = math.gspo_token_ratio(inputs.per_token_logps, inputs.old_per_token_logps, inputs.mask)
-        return ops.ppo_clip_objective(ratio, inputs.advantages, inputs.epsilon_low, inputs.epsilon_high)
+        return ops.ppo_clip_objective(ratio, advantages, inputs.epsilon_low, inputs.epsilon_high)

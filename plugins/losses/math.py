@@ -13,9 +13,28 @@ import torch
 from trl_ext import ops
 
 
+def masked_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(per_token_logps, log_ratio, advantages)`` of a :class:`~trl_ext.batches.LossInputs` with every position
+    outside ``inputs.mask`` replaced by 0 through ``torch.where`` (per-token advantages too; ``(B, 1)`` ones are kept).
+
+    The loss pipeline already sanitises its log-prob tensors, but an objective must not rely on that: a hook called
+    on raw inputs with -inf/NaN log-probs at padding would otherwise give a NaN loss (GMPO, GSPO) or NaN gradients at
+    masked positions (CISPO, CE-GPPO, GSPO-token), since ``-inf - -inf`` is NaN and ``0 * NaN`` is NaN in backward.
+    ``where`` passes an exactly-zero gradient to the positions it drops, so masked tokens get gradient 0.
+    """
+    mask = inputs.mask
+    logps = ops.where_mask(inputs.per_token_logps, mask)
+    log_ratio = logps - ops.where_mask(inputs.old_per_token_logps, mask)
+    advantages = inputs.advantages
+    if advantages.dim() == 2 and advantages.shape[-1] == mask.shape[-1] and advantages.shape[-1] != 1:
+        advantages = ops.where_mask(advantages, mask)
+    return logps, log_ratio, advantages
+
+
 def masked_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over each sequence's unmasked tokens, shape ``(B, 1)``."""
-    return ((values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    """Mean of ``values`` over each sequence's unmasked tokens, shape ``(B, 1)`` (0 for a row without tokens).
+    Masked positions are dropped with ``torch.where``, so -inf/NaN there cannot make the row's mean NaN."""
+    return (ops.where_mask(values, mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
 
 def gspo_sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -28,7 +47,10 @@ def gspo_token_ratio(per_token_logps: torch.Tensor, old_per_token_logps: torch.T
     """GSPO-token ratio s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)], shape ``(B, T)``.
 
     Its value equals s_i on every token; its gradient w.r.t. log pi(y_t) is s_i (token-level advantages allowed).
+    Positions outside ``mask`` are set to 0 with ``torch.where`` first (``x - sg(x)`` is NaN for x = -inf).
     """
+    per_token_logps = ops.where_mask(per_token_logps, mask)
+    old_per_token_logps = ops.where_mask(old_per_token_logps, mask)
     seq = gspo_sequence_ratio((per_token_logps - old_per_token_logps).detach(), mask)
     return seq * torch.exp(per_token_logps - per_token_logps.detach())
 

@@ -43,4 +43,5 @@ class REINFORCE(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
-        return math.reinforce_objective(inputs.per_token_logps, inputs.advantages)
+        logps, _, advantages = math.masked_inputs(inputs)
+        return math.reinforce_objective(logps, advantages)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl, ops
+from trl_ext_plugins.losses import math
 from trl_ext_plugins.losses.base import ObjectivePlugin
 
 
@@ -31,5 +32,5 @@ class SAPO(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
-        ratio = ops.safe_ratio(inputs.log_ratio)
-        return ops.sapo_objective(ratio, inputs.advantages, self.params.tau_pos, self.params.tau_neg)
+        _, log_ratio, advantages = math.masked_inputs(inputs)
+        return ops.sapo_objective(ops.safe_ratio(log_ratio), advantages, self.params.tau_pos, self.params.tau_neg)
