@@ -3,7 +3,8 @@
 Two checks per case (cases defined in tests/trl_fixtures/cases.py, recorded by tests/trl_fixtures/record.py):
 
 * drift: the installed TRL recomputes the case from the recorded inputs and must give the recorded loss and gradient
-  (float64, relative 1e-9). A TRL upgrade that changes a number, or drops the method or loss type, fails here on
+  (float64, relative 1e-9; relative 1e-6 for a case whose TRL kernel computes in float32, ``Case.drift_rtol``, since
+  float32 matmuls round differently on another CPU with the same TRL and torch). A TRL upgrade that changes a number, or drops the method or loss type, fails here on
   purpose, naming the case, both numbers and both TRL versions;
 * parity: trl-ext's path for the same case (the plugins and the args they set, as the live parity tests run them) must
   give the *recorded* numbers (relative 1e-9 unless the case records a looser ``parity_rtol`` with its reason), so
@@ -103,7 +104,7 @@ def test_trl_has_not_drifted(case_id):
     except Exception as exc:  # a renamed method, a dropped loss type: fail naming it, never skip
         pytest.fail(f"TRL {installed} can no longer compute {case_id} (recorded with TRL {recorded}, fields "
                     f"{record['trl']}): {type(exc).__name__}: {exc}; {case.note}".rstrip("; "), pytrace=False)
-    problems = _compare(loss, grads, record, DRIFT_RTOL)
+    problems = _compare(loss, grads, record, case.drift_rtol)
     if problems:
         lines = "; ".join(f"recorded {what} {desc}" for what, desc in problems)
         pytest.fail(f"TRL {installed} changed {case_id}: {lines} (recorded with TRL {recorded} in "
