@@ -133,3 +133,78 @@ def test_m2po_plugin_uses_rollout_logprobs_and_masks():
     tw = M2PO().trl_ext_token_weights(inputs=li)
     assert tw.weight is None and tw.mask.tolist() == [[False, True, True, True]]
     assert li.metrics["m2po/changed_fraction"] == pytest.approx(0.25)
+
+
+# -- Hostile values at padding and cancellation -----------------------------------------------------------------------
+
+
+def _hostile_padding(theta, old, rollout, mask):
+    """Copies of the log-probs with -inf (and a NaN "not recorded") at the padded positions, as raw model outputs or an
+    engine's missing log-probs can be there."""
+    theta_h, old_h, rollout_h = (torch.tensor(x, dtype=D) for x in (theta, old, rollout))
+    pad = ~torch.tensor(mask, dtype=torch.bool)
+    theta_h[pad] = -math.inf
+    old_h[pad] = -math.inf
+    rollout_h[pad] = -math.inf
+    rollout_h[0, -1] = math.nan
+    return theta_h, old_h, rollout_h
+
+
+@pytest.mark.parametrize("plugin", [TIS(), MIS(), IcePop(), M2PO(), TIS(TIS.Params(level="sequence")),
+                                    MIS(MIS.Params(level="geometric"))], ids=lambda p: f"{p.name}")
+def test_correction_weights_ignore_infinite_padding(plugin):
+    """-inf - -inf is NaN: the weights and masks on real tokens must equal those of clean padding, and be finite."""
+    theta = [[-0.3, -1.2, -0.7, 0.0], [-2.0, -0.1, 0.0, 0.0]]
+    old = [[-0.5, -1.0, -0.6, 0.0], [-1.7, -0.2, 0.0, 0.0]]
+    rollout = [[-0.9, -1.1, -0.2, 0.0], [-1.0, -0.3, 0.0, 0.0]]
+    mask = [[1, 1, 1, 0], [1, 1, 0, 0]]
+    clean = plugin.trl_ext_token_weights(inputs=make_inputs(theta, old=old, rollout=rollout, mask=mask))
+    theta_h, old_h, rollout_h = _hostile_padding(theta, old, rollout, mask)
+    hostile = plugin.trl_ext_token_weights(inputs=make_inputs(theta_h, old=old_h, rollout=rollout_h, mask=mask))
+    real = torch.tensor(mask, dtype=torch.bool)
+    for got, want in ((hostile.weight, clean.weight), (hostile.mask, clean.mask)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            got, want = got.expand(real.shape), want.expand(real.shape)
+            assert torch.isfinite(got.to(D)).all()
+            assert torch.equal(got[real], want[real])
+
+
+def test_rollout_ratio_is_finite_with_zero_gradient_at_infinite_padding():
+    theta = [[-0.3, -1.2, -0.7, 0.0], [-2.0, -0.1, 0.0, 0.0]]
+    rollout = [[-0.4, -1.0, -0.9, 0.0], [-1.9, -0.3, 0.0, 0.0]]
+    mask = [[1, 1, 1, 0], [1, 1, 0, 0]]
+    theta_h, _, rollout_h = _hostile_padding(theta, theta, rollout, mask)
+    advantages = torch.tensor([[1.5, 1.5, 1.5, math.nan], [-0.5, -0.5, math.nan, math.nan]], dtype=D)
+    clean_inputs = make_inputs(theta, rollout=rollout, advantages=advantages.nan_to_num(0.0), mask=mask)
+    hostile_inputs = make_inputs(theta_h, rollout=rollout_h, advantages=advantages, mask=mask)
+    clean = RolloutRatio().trl_ext_policy_loss(inputs=clean_inputs)
+    loss = RolloutRatio().trl_ext_policy_loss(inputs=hostile_inputs)
+    real = torch.tensor(mask, dtype=torch.bool)
+    assert torch.isfinite(loss).all() and torch.equal(loss[real], clean[real])
+    grad = token_grad(loss, hostile_inputs)
+    assert torch.isfinite(grad).all() and (grad[~real] == 0).all()
+    assert torch.equal(grad[real], token_grad(clean, clean_inputs)[real])
+
+
+def test_m2po_keep_mask_has_no_cancellation_and_survives_infinity():
+    """Removing the largest token must leave the exact mean of the rest: with the old ``total - prefix`` sum a 1e4
+    log-ratio (1e8 squared) absorbed the small ones in float32 (mean of [0.3, 0.3] read as 0), and inf - inf was NaN."""
+    log_r = torch.tensor([[1e4, 0.3, 0.3, 0.01]], dtype=torch.float32)
+    mask = torch.ones(1, 4)
+    # removing 1e4 leaves mean (0.09 + 0.09 + 1e-4) / 3 = 0.06003 > 0.04, so the two 0.3s go too
+    assert cm.m2_keep_mask(log_r, mask, 0.04).tolist() == [[False, False, False, True]]
+    assert cm.m2_keep_mask(log_r, mask, 0.07).tolist() == [[False, True, True, True]]
+    infinite = torch.tensor([[math.inf, 0.1, 0.1]])
+    assert cm.m2_keep_mask(infinite, torch.ones(1, 3), 0.04).tolist() == [[False, True, True]]
+    assert cm.suffix_sums(torch.tensor([3.0, 2.0, 1.0])).tolist() == [6.0, 3.0, 1.0]
+
+
+def test_masked_log_ratio_where_before_subtraction():
+    num = torch.tensor([[-1.0, -math.inf, -2.0]], dtype=D, requires_grad=True)
+    den = torch.tensor([[-1.5, -math.inf, math.nan]], dtype=D)
+    mask = torch.tensor([[1.0, 0.0, 1.0]], dtype=D)
+    out = cm.masked_log_ratio(num, den, mask)
+    assert out.tolist() == [[0.5, 0.0, 0.0]]  # padding and "not recorded" (NaN) give 0
+    (grad,) = torch.autograd.grad(out.sum(), num)
+    assert grad.tolist() == [[1.0, 0.0, 0.0]]

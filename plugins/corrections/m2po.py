@@ -46,7 +46,7 @@ class M2PO(Plugin):
         behaviour = inputs.sampling_per_token_logps
         if behaviour is None:
             behaviour = inputs.old_per_token_logps
-        log_ratio = (inputs.per_token_logps.detach() - behaviour).nan_to_num(nan=0.0) * inputs.mask
+        log_ratio = math.masked_log_ratio(inputs.per_token_logps.detach(), behaviour, inputs.mask)
         valid = inputs.mask.bool()
         scope = valid
         if self.params.scope == "ppo_active":

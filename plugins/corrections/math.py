@@ -16,10 +16,22 @@ import torch
 from trl_ext import ops
 
 
+def masked_log_ratio(numerator_logps: torch.Tensor, denominator_logps: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """``log p - log q`` on loss tokens, exactly 0 elsewhere and where either side is NaN ("not recorded").
+
+    Both operands are replaced by 0 off the mask with ``torch.where`` *before* the subtraction: padding often holds
+    -inf, ``-inf - -inf`` is NaN, and a mask applied by multiplication (``NaN * 0``, ``inf * 0``) stays NaN in the
+    value or in the backward pass. Keeps the gradient of ``numerator_logps`` on loss tokens (exactly 0 elsewhere)."""
+    valid = mask.bool()
+    diff = ops.where_mask(numerator_logps, valid) - ops.where_mask(denominator_logps, valid)
+    return torch.where(valid & ~torch.isnan(diff), diff, torch.zeros_like(diff))
+
+
 def rollout_log_rho(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
                     mask: torch.Tensor) -> torch.Tensor:
     """log rho = log pi_old - log pi_rollout on loss tokens, 0 elsewhere and where the engine gave no log-prob (NaN)."""
-    return torch.nan_to_num((old_per_token_logps - sampling_per_token_logps) * mask, nan=0.0).detach()
+    return masked_log_ratio(old_per_token_logps, sampling_per_token_logps, mask).detach()
 
 
 def sequence_log_rho(log_rho: torch.Tensor, mask: torch.Tensor, geometric: bool = False) -> torch.Tensor:
@@ -54,20 +66,29 @@ def m2_keep_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) 
     """M2PO (arXiv 2510.01161): drop the tokens with the largest (log r)^2 until the mean over the remaining loss tokens
     is <= ``threshold``. Returns a bool keep-mask ``(B, T)`` (False also on non-loss tokens)."""
     valid = mask.bool()
-    squared = (log_ratio.detach() ** 2).masked_fill(~valid, 0.0).flatten()
+    squared = torch.where(valid, log_ratio.detach().to(torch.float64) ** 2, 0.0).flatten()
     n = int(valid.sum())
     if n == 0:
         return valid
     order = torch.argsort(squared, descending=True)[:n]  # loss tokens first (non-loss ones are 0 and sort last)
     ranked = squared[order]
     removed = torch.arange(n, device=squared.device, dtype=squared.dtype)  # k tokens removed
-    remaining_sum = ranked.sum() - torch.cat([ranked.new_zeros(1), ranked.cumsum(0)[:-1]])
-    remaining_mean = remaining_sum / (n - removed)
+    remaining_mean = suffix_sums(ranked) / (n - removed)
     ok = remaining_mean <= threshold
     k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else n
     keep = torch.ones_like(squared, dtype=torch.bool)
     keep[order[:k]] = False
     return keep.view_as(mask) & valid
+
+
+def suffix_sums(values: torch.Tensor) -> torch.Tensor:
+    """``out[k] = sum(values[k:])`` of a 1-D tensor, summed from the tail (reverse cumulative sum).
+
+    M2PO needs the sum of the tokens left after removing the k largest. Computing it as ``total - prefix[k]``
+    cancels catastrophically when the removed values dwarf the kept ones (float32: ``(1e8 + 0.15) - 1e8 = 0``, so
+    tokens whose mean is 0.05 > tau were kept) and is NaN once a value is inf (``inf - inf``); summing the tail
+    directly has neither problem (an inf only enters the sums that contain it)."""
+    return values.flip(0).cumsum(0).flip(0)
 
 
 def ppo_clip_active(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:

@@ -6,6 +6,7 @@ from pydantic import Field
 
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl, ops
 from trl_ext_plugins.corrections import math
+from trl_ext_plugins.losses.math import masked_inputs
 
 
 class RolloutRatioParams(PluginParams):
@@ -51,7 +52,11 @@ class RolloutRatio(Plugin):
         if inputs.sampling_per_token_logps is None:
             raise RuntimeError("plugin 'rollout_ratio': the batch carries no sampling log-probs; generate with vLLM or "
                                "select the 'rollout_logprobs' plugin")
-        log_ratio = (inputs.per_token_logps - inputs.sampling_per_token_logps).nan_to_num(nan=0.0) * inputs.mask
+        # Padding is dropped with torch.where before any arithmetic (losses.math.masked_inputs, corrections'
+        # masked_log_ratio): the former `(logp - rollout).nan_to_num() * mask` and `-w * A * logp` gave an inf/NaN
+        # per-token loss at -inf padding and a NaN gradient there when per-token advantages were NaN at padding.
+        logps, _, advantages = masked_inputs(inputs)
+        log_ratio = math.masked_log_ratio(logps, inputs.sampling_per_token_logps, inputs.mask)
         ratio = ops.safe_ratio(log_ratio)
         weight = math.double_sided_weight(ratio, self.params.epsilon_low, self.params.epsilon_high)
         valid = inputs.mask.bool()
@@ -62,6 +67,6 @@ class RolloutRatio(Plugin):
                 f"{self.name}/changed_fraction": (weight == 0)[valid].float().mean().item(),
                 f"{self.name}/weight/mean": weight[valid].mean().item(),
             })
-        return -weight * inputs.advantages * inputs.per_token_logps
+        return -weight * advantages * logps
 
 
