@@ -42,6 +42,37 @@ def test_kl_ignores_zero_probability_terms():
     assert torch.isfinite(dm.generalized_jsd(zero, Q, 0.0))
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_tokens_both_models_exclude_give_finite_values_and_zero_gradient(beta):
+    """A vocabulary-padding logit of -inf in teacher and student (or a top-k-truncated pair): the divergence equals the
+    one over the real vocabulary, and no NaN reaches the student's gradient (logaddexp(-inf, -inf) and p * (-inf) at
+    p = 0 both have NaN backward passes unless masked with torch.where first)."""
+    teacher = torch.tensor([[2.0, 0.5, -1.0, -math.inf]], dtype=torch.float64)
+    student_real = torch.tensor([[0.3, 1.1, -0.4]], dtype=torch.float64, requires_grad=True)
+    student = torch.cat([student_real, torch.full((1, 1), -math.inf, dtype=torch.float64)], dim=-1)
+    padded = dm.generalized_jsd(teacher, student, beta)
+    (grad,) = torch.autograd.grad(padded.sum(), student_real)
+    real = student_real.detach().clone().requires_grad_(True)
+    expected = dm.generalized_jsd(teacher[:, :3], real, beta)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), real)
+    assert torch.isfinite(padded).all() and padded.item() == pytest.approx(expected.item(), abs=1e-12)
+    assert torch.isfinite(grad).all() and torch.allclose(grad, expected_grad, atol=1e-12)
+
+
+def test_kl_where_p_is_zero_has_zero_gradient():
+    log_p = torch.tensor([0.0, -math.inf], dtype=torch.float64, requires_grad=True)  # p = [1, 0]
+    log_q = torch.tensor([-0.5, -math.inf], dtype=torch.float64, requires_grad=True)
+    value = dm.kl_from_logprobs(log_p, log_q)
+    assert value.item() == pytest.approx(0.5)
+    grad_p, grad_q = torch.autograd.grad(value, (log_p, log_q))
+    assert torch.isfinite(grad_p).all() and torch.isfinite(grad_q).all() and grad_q[1] == 0 and grad_p[1] == 0
+
+
+def test_float64_logits_keep_float64_and_half_precision_computes_in_float32():
+    assert dm.generalized_jsd(P.double(), Q.double(), 0.5).dtype == torch.float64
+    assert dm.generalized_jsd(P.bfloat16(), Q.bfloat16(), 0.5).dtype == torch.float32
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_reference_matches_trl_chunked_kernel(beta, temperature):

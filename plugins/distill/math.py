@@ -34,20 +34,41 @@ def generalized_jsd(teacher_logits: torch.Tensor, student_logits: torch.Tensor, 
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must lie in [0, 1], got {beta}")
-    log_t = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    # bf16/fp16 computed in float32, float64 kept (the parity fixtures compare float64 inputs)
+    dtype = torch.promote_types(torch.promote_types(teacher_logits.dtype, student_logits.dtype), torch.float32)
+    log_t = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+    log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
     if beta == FORWARD_KL_BETA:
         return kl_from_logprobs(log_t, log_s)
     if beta == REVERSE_KL_BETA:
         return kl_from_logprobs(log_s, log_t)
-    log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1.0 - beta))
+    log_m = mixture_logprobs(log_t, log_s, beta)
     return beta * kl_from_logprobs(log_t, log_m) + (1.0 - beta) * kl_from_logprobs(log_s, log_m)
 
 
+def mixture_logprobs(log_t: torch.Tensor, log_s: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log(beta p_T + (1 - beta) p_S)`` for 0 < beta < 1; -inf (with zero gradient) where both are -inf.
+
+    ``logaddexp(-inf, -inf)`` is -inf in value but NaN in its backward (``exp(-inf - -inf)``), so a token that both
+    models exclude (a vocabulary-padding logit of -inf, a top-k-truncated teacher) would put NaN into the student's
+    gradient; such positions are replaced by 0 with ``torch.where`` before the call."""
+    support = (log_t > -math.inf) | (log_s > -math.inf)
+    zero = torch.zeros((), dtype=log_t.dtype, device=log_t.device)
+    mixed = torch.logaddexp(torch.where(support, log_t, zero) + math.log(beta),
+                            torch.where(support, log_s, zero) + math.log(1.0 - beta))
+    return torch.where(support, mixed, torch.full_like(mixed, -math.inf))
+
+
 def kl_from_logprobs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) over the last axis from log-probabilities; terms with p = 0 contribute exactly 0."""
+    """KL(p || q) over the last axis from log-probabilities; terms with p = 0 contribute exactly 0, with a zero gradient.
+
+    The difference is masked with ``torch.where`` *before* it multiplies ``p``: ``where(p > 0, p * (log_p - log_q),
+    0)`` has the right value but a NaN gradient wherever p = 0 and log_p = -inf (d/dp of the unused branch is
+    ``log_p - log_q = -inf`` times a zero upstream gradient). A q = 0 under p > 0 gives the true value inf."""
     p = log_p.exp()
-    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    support = p > 0
+    diff = torch.where(support, log_p - log_q, torch.zeros_like(p))
+    return torch.where(support, p * diff, torch.zeros_like(p)).sum(-1)
 
 
 def opd_advantages(teacher_logps: torch.Tensor, student_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
