@@ -167,6 +167,22 @@ def test_warm_up_conversations_render_the_tool_calls_grpo_parses():
     assert rows[3]["completion"][0]["content"] == rows[3]["answer"]
 
 
+def test_schema_free_warm_up_rows_are_the_same_conversations_without_tool_schemas():
+    """``schema: false``: same problems and expert turns, ``tools`` empty, so the rendered prompt is the short chat
+    prompt (no schema text) while the tool-call turns render exactly as in the schema rows."""
+    tokenizer = build_tool_tokenizer()
+    full, short = (calc_tool_prompts("train", format="prompt_completion", size=4, calls=1, schema=s) for s in (True, False))
+    assert short["tools"] == [None] * 4 and all(t is not None for t in full["tools"])
+    assert short["prompt"] == full["prompt"] and short["completion"] == full["completion"]
+    with_schema = tokenizer.apply_chat_template(full[0]["prompt"], tools=json.loads(full[0]["tools"]),
+                                                add_generation_prompt=True, tokenize=False)
+    without = tokenizer.apply_chat_template(short[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    assert '"name": "add"' in with_schema and '"name"' not in without and len(without) < len(with_schema) / 20
+    assert with_schema.endswith(without)  # the schema is a system turn in front of the same user turn
+    with pytest.raises(ValueError, match="schema: false needs format 'prompt_completion'"):
+        calc_tool_prompts("train", schema=False)
+
+
 class ScriptedModel(torch.nn.Module):
     """A stand-in for ``generate`` in held-out episodes: the scripted turn in the tokenizer's ids."""
 

@@ -112,7 +112,8 @@ def environment_tools(cls: type) -> list[str]:
 
 
 def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 0, size: int = 64,
-                      max_operand: int = 20, arithmetic_rows: int = 0, calls: int = 2) -> Dataset:
+                      max_operand: int = 20, arithmetic_rows: int = 0, calls: int = 2,
+                      schema: bool = True) -> Dataset:
     """The calculator task for :class:`CalculatorEnv`. ``format: prompt`` (GRPO): ``prompt`` (``"(12+34)*2?"``) and
     the gold ``answer``. ``format: prompt_completion`` (an SFT warm-up with a tool-calling chat template): the
     ``prompt`` as one user message, the expert ``completion`` as messages (an assistant tool call per operation with
@@ -121,13 +122,18 @@ def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 
     operands below ``max_operand``, same split) as tool-free conversations (``"12+34="`` -> ``"46"``) follow, so one
     warm-up serves a ``multi_env`` run that mixes both. The problems are those of ``calc_tool`` (same split
     streams); ``calls: 1`` keeps only their first operation (``"12+7?"``, one tool call, then the answer), an easier
-    task for a small model."""
+    task for a small model. ``schema: false`` (``prompt_completion`` only) leaves ``tools`` empty, so the SFT prompt
+    carries no tool schemas (about 20 tokens instead of about 1300 with TRL's Qwen3 template): a first warm-up stage
+    where a small model learns the call format and to copy the operands into the call, before a stage on the long
+    prompts GRPO's tool loop renders (a 2-layer model trained only on the long prompts did not learn to copy)."""
     if calls not in (1, 2):
         raise ValueError(f"calls must be 1 or 2, got {calls!r}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if format not in ("prompt", "prompt_completion"):
         raise ValueError(f"format must be 'prompt' or 'prompt_completion', got {format!r}")
+    if not schema and format != "prompt_completion":
+        raise ValueError("schema: false needs format 'prompt_completion' (GRPO's tool loop always renders the tools)")
     rng = random.Random(f"{seed}:{split}")
     names = list(FUNCTIONS)
     tools = json.dumps([get_json_schema(method) for method in tool_methods(CalculatorEnv())])
@@ -145,7 +151,7 @@ def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 
                 turns += [_tool_call_message(second, x, c), {"role": "tool", "name": second, "content": str(answer)}]
             row = {"prompt": [{"role": "user", "content": question}],
                    "completion": [*turns, {"role": "assistant", "content": str(answer)}],
-                   "tools": tools, "answer": str(answer)}
+                   "tools": tools if schema else None, "answer": str(answer)}
         rows.append(row)
     if arithmetic_rows:
         if format != "prompt_completion":
