@@ -5,6 +5,7 @@ tests/test_advantages_math.py; here they are checked again only through the plug
 """
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -259,6 +260,15 @@ def test_vapo_positive_example_nll(tiny_trainer):
     assert (logps.grad[~positive] == 0).all() and (logps.grad[mask == 0] == 0).all()
     assert torch.allclose(logps.grad[positive], (-mu / pos_mask.sum() * pos_mask)[positive])
     assert VAPO(VAPOParams(nll_coef=0.0)).trl_ext_extra_loss(li) is None
+    # -inf log-probs outside the NLL's tokens (padding, samples below the threshold) change neither the term nor its
+    # logged value, and the gradient there stays exactly 0
+    hostile = logps.detach().masked_fill(pos_mask == 0, float("-inf")).requires_grad_()
+    li_hostile = dataclasses.replace(li, per_token_logps=hostile, metrics={})
+    term_hostile = plugin.trl_ext_extra_loss(li_hostile)
+    assert torch.isclose(term_hostile.detach(), expected)
+    assert li_hostile.metrics["vapo/nll"] == pytest.approx(expected.item() / mu)
+    term_hostile.backward()
+    assert torch.isfinite(hostile.grad).all() and (hostile.grad[pos_mask == 0] == 0).all()
 
 
 def test_vapo_nll_term_reaches_the_loss_through_the_trainer(tiny_trainer):

@@ -18,7 +18,8 @@ from trl_ext_plugins.rewards import judging
 from trl_ext_plugins.rewards.checklist_judge import (ChecklistJudge, ChecklistJudgeParams, normalise_checklist,
                                                      parse_verifier, run_verifier)
 from trl_ext_plugins.rewards.llm_judge import LLMJudge, LLMJudgeParams, pairwise_rewards
-from trl_ext_plugins.rewards.self_judge import CONSISTENCY, SelfJudge, SelfJudgeParams, group_rewards
+from trl_ext_plugins.rewards.self_judge import (CONSISTENCY, SelfJudge, SelfJudgeParams, group_rewards,
+                                               judge_policy_loss)
 
 STAGE = StageSpec(trainer="grpo", model="x", dataset={"source": "embedded:arithmetic"})
 
@@ -593,3 +594,15 @@ def test_joint_training_validation():
     assert "judge_loss_weight: 0" in SelfJudge().trl_ext_validate_stage(rloo, [])[0]
     assert SelfJudge(SelfJudgeParams(judge_loss_weight=0.0)).trl_ext_validate_stage(rloo, []) is None
     assert SelfJudge().trl_ext_validate_stage(STAGE, []) is None
+
+
+def test_judge_policy_loss_ignores_infinite_log_probs_at_padded_verdict_positions():
+    logps = torch.tensor([[-0.5, -1.0, float("-inf")], [-2.0, float("-inf"), float("-inf")]], dtype=torch.float64,
+                         requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    advantages = torch.tensor([1.0, -2.0])
+    loss = judge_policy_loss(logps, mask, advantages, normalizer=3.0)
+    assert loss.item() == pytest.approx(-(1.0 * (-1.5) + -2.0 * (-2.0)) / 3.0)  # -sum_i A_i sum_t log pi / 3
+    loss.backward()
+    assert torch.isfinite(logps.grad).all() and (logps.grad[mask == 0] == 0).all()
+    assert logps.grad[0, 0].item() == pytest.approx(-1.0 / 3.0) and logps.grad[1, 0].item() == pytest.approx(2.0 / 3.0)

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from pydantic import Field
 
-from trl_ext import hookimpl
+from trl_ext import hookimpl, ops
 from trl_ext.trainers.grpo import global_token_mean
 from trl_ext_plugins.advantages.ppo import PPO, PPOParams
 from trl_ext_plugins.advantages.rollout import local, rank_reduce
@@ -90,5 +90,6 @@ class VAPO(PPO):
         total = inputs.extra[POSITIVE_TOKENS]
         ctx = dataclasses.replace(inputs, num_items_in_batch=total[0] if total.numel() else 0)
         nll = global_token_mean(-inputs.per_token_logps, mask, ctx)
-        inputs.metrics["vapo/nll"] = (-(inputs.per_token_logps.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
+        nll_tokens = ops.where_mask(-inputs.per_token_logps.detach(), mask)  # where, not * mask: -inf at padding
+        inputs.metrics["vapo/nll"] = (nll_tokens.sum() / mask.sum().clamp(min=1)).item()
         return self.params.nll_coef * nll

@@ -9,7 +9,7 @@ import torch
 from pydantic import Field, model_validator
 from trl.trainer.utils import selective_log_softmax
 
-from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext import Plugin, PluginParams, hookimpl, ops
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rewards import formulas, judging
 
@@ -108,8 +108,10 @@ def verdict_logps(model, prompts: list[list[int]], verdicts: list[list[int]], pa
 def judge_policy_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                       normalizer: float) -> torch.Tensor:
     """REINFORCE on verdict tokens: -(1 / normalizer) * sum_i A_i * sum_t log pi(verdict_i,t)."""
-    mask = mask.to(logps.dtype)
-    return -(advantages.to(logps.dtype).unsqueeze(1) * logps * mask).sum() / normalizer
+    # torch.where, not a product with the mask: a -inf log-prob at a padded verdict position would make the loss (and
+    # its gradient) NaN through 0 * inf.
+    weighted = advantages.to(logps.dtype).unsqueeze(1) * ops.where_mask(logps, mask)
+    return -ops.where_mask(weighted, mask).sum() / normalizer
 
 
 class SelfJudge(Plugin):
