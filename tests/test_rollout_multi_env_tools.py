@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,6 +182,28 @@ def test_schema_free_warm_up_rows_are_the_same_conversations_without_tool_schema
     assert with_schema.endswith(without)  # the schema is a system turn in front of the same user turn
     with pytest.raises(ValueError, match="schema: false needs format 'prompt_completion'"):
         calc_tool_prompts("train", schema=False)
+
+
+def test_warm_up_needs_the_training_template_grpo_renders_tool_rollouts_with():
+    """GRPO's tool loop renders with TRL's training template; Qwen3's own template differs in the tool-call turn (no
+    think block), so only a warm-up rendered with the training template (SFT's ``assistant_only_loss: true``) has
+    the prompt the loop shows before the final answer as a prefix of its training text. The shipped recipe sets it."""
+    import yaml
+    from trl.chat_template_utils import get_training_chat_template
+
+    tokenizer = build_tool_tokenizer()
+    row = calc_tool_prompts("train", format="prompt_completion", size=1, calls=1)[0]
+    tools, conversation = json.loads(row["tools"]), row["prompt"] + row["completion"]
+    training = get_training_chat_template(tokenizer)
+    assert training != tokenizer.chat_template
+    before_answer = tokenizer.apply_chat_template(conversation[:-1], tools=tools, chat_template=training,
+                                                  add_generation_prompt=True, tokenize=False)
+    warm_up_training = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=training, tokenize=False)
+    warm_up_own = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
+    assert warm_up_training.startswith(before_answer)
+    assert not warm_up_own.startswith(before_answer)
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "configs" / "multi_env_tools.yaml").read_text())
+    assert all(stage["args"].get("assistant_only_loss") for stage in recipe["stages"] if stage["trainer"] == "sft")
 
 
 class ScriptedModel(torch.nn.Module):

@@ -152,7 +152,14 @@ class MultiEnv(Plugin):
     * logs ``multi_env/<env>/tool_calls`` (mean tool results per rollout) and scores held-out tool environments with
       greedy episodes of the same loop (``eval_tool_max_new_tokens`` tokens per turn, at most ``eval_max_tool_calls``
       rounds; ``tool_calls`` in ``multi_env_eval.json``). The stage-level ``eval_dataset`` is not routed: use each
-      environment's ``eval_dataset``.
+      environment's ``eval_dataset``;
+    * renders rollouts and held-out episodes, as TRL's tool loop does, with TRL's *training* chat template
+      (``trl.chat_template_utils.get_training_chat_template``), not the tokenizer's own. For Qwen3 they differ: the
+      training template writes the empty think block in every assistant turn, Qwen3's in the last one only. An SFT
+      warm-up on tool conversations should set ``assistant_only_loss: true`` (TRL's SFTTrainer then renders with the
+      same training template); measured on configs/multi_env_tools.yaml, a warm-up on Qwen3's own template made right
+      tool calls but answered with noise after the tool result under GRPO's template (held-out 0/64, against 0.33 under
+      its own template).
 
     Bad input (refused at validation, before any model loads): repeated environment names, a reward selection that is
     not a reward plugin, an environment whose embedded or local dataset has no rows, an environment with no reward
