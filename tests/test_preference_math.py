@@ -96,6 +96,17 @@ def test_rpo_numbers_and_zero_at_matching_gaps():
         assert gap.grad.item() == pytest.approx(0.0, abs=1e-12)  # unlike DPO, no push once the gaps agree
 
 
+def test_rpo_kl_with_an_infinite_target_gap_is_finite_with_a_finite_gradient():
+    """A target reward gap of +inf: Bern(1) || Bern(sigma(g)) = -log sigma(g) (the other outcome has probability 0 and
+    contributes 0, not 0 * -inf); the gradient is -(1 - sigma(g))."""
+    policy = t(0.3, grad=True)
+    loss = pm.rpo_bwd_kl_loss(policy, t(math.inf))
+    assert loss.item() == pytest.approx(-math.log(sigmoid(0.3)), abs=1e-12)
+    loss.backward()
+    assert policy.grad.item() == pytest.approx(-(1 - sigmoid(0.3)), abs=1e-12)
+    assert pm.bernoulli_kl(t(-math.inf), t(0.0)).item() == pytest.approx(math.log(2), abs=1e-12)
+
+
 def test_qrpo_quantile_partition_and_loss():
     r_q = pm.quantile_reward(t(0.6), t(0.1, 0.5, 0.9, 0.3).unsqueeze(0))
     assert r_q.item() == pytest.approx(0.75, abs=1e-12)

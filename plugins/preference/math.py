@@ -52,10 +52,20 @@ def orpo_odds_ratio_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: t
 
 
 def bernoulli_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """``KL(Bern(sigma(p)) || Bern(sigma(q)))`` from logits, computed in log space."""
+    """``KL(Bern(sigma(p)) || Bern(sigma(q)))`` from logits, computed in log space.
+
+    An outcome of probability 0 under ``p`` (an infinite logit, e.g. a reward gap of inf) contributes exactly 0 with a
+    zero gradient; written as ``0 * (-inf - log q)`` it was NaN in value and gradient."""
     log_p, log_not_p = F.logsigmoid(p_logits), F.logsigmoid(-p_logits)
     log_q, log_not_q = F.logsigmoid(q_logits), F.logsigmoid(-q_logits)
-    return log_p.exp() * (log_p - log_q) + log_not_p.exp() * (log_not_p - log_not_q)
+    return _kl_term(log_p, log_q) + _kl_term(log_not_p, log_not_q)
+
+
+def _kl_term(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """``a * (log a - log b)``, exactly 0 where ``a = 0``: masked with ``torch.where`` before the product."""
+    support = log_a > -math.inf
+    zero = torch.zeros((), dtype=log_a.dtype, device=log_a.device)
+    return torch.where(support, log_a.exp() * torch.where(support, log_a - log_b, zero), zero)
 
 
 def rpo_bwd_kl_loss(policy_gap: torch.Tensor, target_gap: torch.Tensor) -> torch.Tensor:
