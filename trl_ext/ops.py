@@ -7,6 +7,8 @@ caller or here); masks are float 0/1 tensors of shape (B, T).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +60,18 @@ def where_mask(values: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> t
     """``values`` on ``mask`` tokens, ``fill`` elsewhere, via ``torch.where`` (never a product: -inf * 0 is NaN); the
     gradient at non-mask positions is exactly zero."""
     return torch.where(mask.bool(), values, torch.as_tensor(fill, dtype=values.dtype, device=values.device))
+
+
+def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``p (log p - log q)`` from log-probabilities (sum them for KL(p || q)): exactly 0, with a zero
+    gradient, where ``p = 0``; a ``q = 0`` under ``p > 0`` gives the true value inf.
+
+    The difference is masked with ``torch.where`` *before* it multiplies ``p``: ``where(p > 0, p * (log_p - log_q),
+    0)`` has the right value but a NaN gradient where ``log_p = -inf`` (the unused branch's derivative is
+    ``log_p - log_q = -inf`` times a zero upstream gradient), and ``0 * -inf`` is NaN in value too."""
+    support = log_p > -math.inf
+    diff = where_mask(log_p - log_q, support)
+    return where_mask(log_p.exp() * diff, support)
 
 
 # -- KL estimators (ALGORITHMS.md convention 4), d = log pi_theta - log pi_ref per sampled token ------------------------

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from trl_ext import ops
+
 # The three divergences the `gkd` plugin names, as TRL's `beta` (`DistillationConfig.beta`).
 FORWARD_KL_BETA = 0.0
 REVERSE_KL_BETA = 1.0
@@ -60,15 +62,9 @@ def mixture_logprobs(log_t: torch.Tensor, log_s: torch.Tensor, beta: float) -> t
 
 
 def kl_from_logprobs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) over the last axis from log-probabilities; terms with p = 0 contribute exactly 0, with a zero gradient.
-
-    The difference is masked with ``torch.where`` *before* it multiplies ``p``: ``where(p > 0, p * (log_p - log_q),
-    0)`` has the right value but a NaN gradient wherever p = 0 and log_p = -inf (d/dp of the unused branch is
-    ``log_p - log_q = -inf`` times a zero upstream gradient). A q = 0 under p > 0 gives the true value inf."""
-    p = log_p.exp()
-    support = p > 0
-    diff = torch.where(support, log_p - log_q, torch.zeros_like(p))
-    return torch.where(support, p * diff, torch.zeros_like(p)).sum(-1)
+    """KL(p || q) over the last axis from log-probabilities; terms with p = 0 contribute exactly 0, with a zero gradient
+    (:func:`trl_ext.ops.kl_terms`)."""
+    return ops.kl_terms(log_p, log_q).sum(-1)
 
 
 def opd_advantages(teacher_logps: torch.Tensor, student_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

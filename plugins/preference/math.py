@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from trl_ext import ops
+
 
 def ipo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, tau: float) -> torch.Tensor:
     """IPO (arXiv 2310.12036, Eq. 17): ``(h - 1/(2 tau))**2`` with ``h`` the chosen-minus-rejected log-ratio gap."""
@@ -58,14 +60,7 @@ def bernoulli_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor
     zero gradient; written as ``0 * (-inf - log q)`` it was NaN in value and gradient."""
     log_p, log_not_p = F.logsigmoid(p_logits), F.logsigmoid(-p_logits)
     log_q, log_not_q = F.logsigmoid(q_logits), F.logsigmoid(-q_logits)
-    return _kl_term(log_p, log_q) + _kl_term(log_not_p, log_not_q)
-
-
-def _kl_term(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """``a * (log a - log b)``, exactly 0 where ``a = 0``: masked with ``torch.where`` before the product."""
-    support = log_a > -math.inf
-    zero = torch.zeros((), dtype=log_a.dtype, device=log_a.device)
-    return torch.where(support, log_a.exp() * torch.where(support, log_a - log_b, zero), zero)
+    return ops.kl_terms(log_p, log_q) + ops.kl_terms(log_not_p, log_not_q)
 
 
 def rpo_bwd_kl_loss(policy_gap: torch.Tensor, target_gap: torch.Tensor) -> torch.Tensor:

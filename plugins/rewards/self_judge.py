@@ -110,8 +110,7 @@ def judge_policy_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch
     """REINFORCE on verdict tokens: -(1 / normalizer) * sum_i A_i * sum_t log pi(verdict_i,t)."""
     # torch.where, not a product with the mask: a -inf log-prob at a padded verdict position would make the loss (and
     # its gradient) NaN through 0 * inf.
-    weighted = advantages.to(logps.dtype).unsqueeze(1) * ops.where_mask(logps, mask)
-    return -ops.where_mask(weighted, mask).sum() / normalizer
+    return -(advantages.to(logps.dtype).unsqueeze(1) * ops.where_mask(logps, mask)).sum() / normalizer
 
 
 class SelfJudge(Plugin):
