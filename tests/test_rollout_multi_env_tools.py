@@ -172,7 +172,8 @@ def test_schema_free_warm_up_rows_are_the_same_conversations_without_tool_schema
     """``schema: false``: same problems and expert turns, ``tools`` empty, so the rendered prompt is the short chat
     prompt (no schema text) while the tool-call turns render exactly as in the schema rows."""
     tokenizer = build_tool_tokenizer()
-    full, short = (calc_tool_prompts("train", format="prompt_completion", size=4, calls=1, schema=s) for s in (True, False))
+    full, short = (calc_tool_prompts("train", format="prompt_completion", size=4, calls=1, schema=s)
+                   for s in (True, False))
     assert short["tools"] == [None] * 4 and all(t is not None for t in full["tools"])
     assert short["prompt"] == full["prompt"] and short["completion"] == full["completion"]
     with_schema = tokenizer.apply_chat_template(full[0]["prompt"], tools=json.loads(full[0]["tools"]),

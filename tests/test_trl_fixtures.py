@@ -4,8 +4,8 @@ Two checks per case (cases defined in tests/trl_fixtures/cases.py, recorded by t
 
 * drift: the installed TRL recomputes the case from the recorded inputs and must give the recorded loss and gradient
   (float64, relative 1e-9; relative 1e-6 for a case whose TRL kernel computes in float32, ``Case.drift_rtol``, since
-  float32 matmuls round differently on another CPU with the same TRL and torch). A TRL upgrade that changes a number, or drops the method or loss type, fails here on
-  purpose, naming the case, both numbers and both TRL versions;
+  float32 matmuls round differently on another CPU with the same TRL and torch). A TRL upgrade that changes a number,
+  or drops the method or loss type, fails here on purpose, naming the case, both numbers and both TRL versions;
 * parity: trl-ext's path for the same case (the plugins and the args they set, as the live parity tests run them) must
   give the *recorded* numbers (relative 1e-9 unless the case records a looser ``parity_rtol`` with its reason), so
   trl-ext stays pinned to TRL 1.16's numbers even after TRL changes.
