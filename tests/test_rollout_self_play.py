@@ -4,6 +4,8 @@ the solver's pseudo-labelled, band-filtered rows; the proposal dataset; bad para
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from trl_ext.embedded.arithmetic import solve
@@ -11,9 +13,11 @@ from trl_ext.errors import RecipeError
 from trl_ext.recipe import StageSpec
 from trl_ext.stage import resolve_stage
 from trl_ext_plugins.rollout.control_math import (
+    bleu_distance_matrix,
     in_informative_band,
     learnability_reward,
     majority_vote,
+    r_zero_code_reward,
     repetition_penalties,
     uncertainty_reward,
     verified_solve_rate,
@@ -36,6 +40,65 @@ def test_majority_vote_band_and_repetition():
     assert majority_vote(["", ""]) == (None, 0.0)
     assert in_informative_band(0.7, 0.2) and in_informative_band(0.3, 0.2) and not in_informative_band(0.75, 0.2)
     assert repetition_penalties(["1+2=", "1+2=", "3+4=", "5 + 5="]) == [0.5, 0.5, 0.25, 0.25]
+    assert repetition_penalties([]) == []
+
+
+def test_r_zero_code_reward_by_hand():
+    """R-Zero's released caller_penalty.py: min(p, 1 - p) - share; -1 - share for a malformed problem; no clip."""
+    assert r_zero_code_reward(0.5, 0.25) == 0.25
+    assert r_zero_code_reward(0.9, 0.25) == pytest.approx(0.1 - 0.25)
+    assert r_zero_code_reward(None, 0.2) == -1.2
+
+
+def hand_bleu(hypothesis: str, reference: str) -> float:
+    """Sentence BLEU-4 from its formula, with smoothing method 1 (a zero n-gram match count becomes 0.1): BP *
+    exp(sum_n log(p_n) / 4), BP = exp(1 - r/c) when the hypothesis is shorter; 0 without a unigram match."""
+    import math
+    from collections import Counter
+
+    hyp, ref = hypothesis.split(), reference.split()
+    if not hyp:
+        return 0.0
+    logs = []
+    for n in range(1, 5):
+        grams = Counter(tuple(hyp[i:i + n]) for i in range(len(hyp) - n + 1))
+        ref_grams = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+        matched = sum(min(c, ref_grams[g]) for g, c in grams.items())
+        if n == 1 and matched == 0:
+            return 0.0
+        logs.append(math.log((matched or 0.1) / max(1, sum(grams.values()))))
+    brevity = 1.0 if len(hyp) > len(ref) else math.exp(1 - len(ref) / len(hyp))
+    return brevity * math.exp(sum(logs) / 4)
+
+
+def test_bleu_distances_follow_the_formula():
+    questions = ["what is 1 plus 2", "what is 1 plus 3", "what is 1 plus 3 ?", "how many legs has a spider", "7+8="]
+    dist = bleu_distance_matrix(questions)
+    for i in range(len(questions)):
+        assert dist[i][i] == 0.0
+        for j in range(i + 1, len(questions)):  # the earlier question is the hypothesis (R-Zero's order)
+            assert dist[i][j] == dist[j][i] == pytest.approx(1 - hand_bleu(questions[i], questions[j]), abs=1e-12)
+    assert dist[0][1] == pytest.approx(1 - (0.8 * 0.75 * 2 / 3 * 0.5) ** 0.25)  # 4/5, 3/4, 2/3, 1/2 n-grams match
+    assert 1 - dist[4][4] == 1.0 and hand_bleu("7+8=", "7+8=") == pytest.approx(0.1 ** 0.75)  # one token: 0.18
+
+
+def test_bleu_clusters_use_average_linkage_at_the_threshold():
+    a, b, c = "what is 1 plus 2", "what is 1 plus 3", "how many legs has a spider"
+    d_ab = 1 - hand_bleu(a, b)  # 0.331
+    # a twice (distance 0) joins b at the average distance d_ab < 0.5; c shares no word with them (distance 1)
+    assert repetition_penalties([a, b, c, a], "bleu") == [0.75, 0.75, 0.25, 0.75]
+    # below d_ab only the duplicates merge
+    assert repetition_penalties([a, b, c, a], "bleu", threshold=d_ab - 1e-6) == [0.5, 0.25, 0.25, 0.5]
+    # average linkage: x - y 0.12, y - z 0.24, x - z 0.36, so {x, y} is 0.30 from z on average. At 0.25 single linkage
+    # would chain z in (0.24); at 0.31 complete linkage would keep it out (0.36)
+    x, y, z = "a b c d e f g h i j", "a b c d e f g h i k", "l m c d e f g h i k"
+    dxy, dyz, dxz = 1 - hand_bleu(x, y), 1 - hand_bleu(y, z), 1 - hand_bleu(x, z)
+    assert dxy < dyz < 0.25 < (dxz + dyz) / 2 < 0.31 < dxz
+    assert repetition_penalties([x, y, z], "bleu", threshold=0.25) == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert repetition_penalties([x, y, z], "bleu", threshold=0.31) == pytest.approx([1.0, 1.0, 1.0])
+    # one-token formal problems never come within 0.5 of themselves: only `exact` clusters them
+    assert repetition_penalties(["1+2=", "1+2=", "3+4="], "bleu") == pytest.approx([1 / 3] * 3)
+    assert repetition_penalties(["1+2=", "1+2=", "3+4="], "exact") == pytest.approx([2 / 3, 2 / 3, 1 / 3])
 
 
 def test_solver_rows_keep_the_band_with_majority_labels():
@@ -44,10 +107,14 @@ def test_solver_rows_keep_the_band_with_majority_labels():
                ["4"] * 5 + ["5"] * 5,        # p_hat 0.5: kept, label "4" (seen first)
                ["81", "80", "18", "81", "1", "", "81", "8", "2", "0"],  # 0.3: kept (|0.3 - 0.5| <= 0.25)
                [""] * 10]                    # nothing parsed: dropped
-    assert solver_rows(questions, [majority_vote(a) for a in answers], delta=0.25) == [
+    assert solver_rows(questions, [majority_vote(a) for a in answers], band=(0.25, 0.75)) == [
         {"prompt": "2+2=", "answer": "4", "p_hat": 0.5},
         {"prompt": "9*9=", "answer": "81", "p_hat": 0.3},
     ]
+    assert SelfPlay.Params(role="solver", partner="x", delta=0.2).solver_band() == (0.3, 0.7)
+    released = SelfPlay.Params(role="solver", partner="x", band=[0.3, 0.8])  # R-Zero's solver_train.sh bounds
+    assert [r["p_hat"] for r in solver_rows(questions, [majority_vote(a) for a in answers],
+                                            released.solver_band())] == [0.5, 0.3]
 
 
 def test_verified_labels_use_the_solve_rate():
@@ -60,7 +127,7 @@ def test_verified_labels_use_the_solve_rate():
                ["80"] * 7 + ["81"] * 3,            # majority 80 (p_hat 0.7) but solve rate 0.3: kept, label 81
                ["2"] * 10,                          # solve rate 0 (answer -2): dropped
                ["6"] * 8 + ["7", "5"]]              # solve rate 0.8: dropped
-    assert solver_rows(questions, plugin.votes(questions, answers), delta=0.25) == [
+    assert solver_rows(questions, plugin.votes(questions, answers), band=(0.25, 0.75)) == [
         {"prompt": "2+2=", "answer": "4", "p_hat": 0.5},
         {"prompt": "9*9=", "answer": "81", "p_hat": 0.3},
     ]
@@ -85,7 +152,8 @@ class StandInSolver(SelfPlay):
 
 
 def test_proposer_reward_of_a_batch():
-    plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", samples=10))
+    plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", samples=10,
+                                           repetition_clustering="exact"))
     plugin.table = {"1+2=": ["3"] * 5 + ["4"] * 5,   # p_hat 0.5 -> r_unc 1
                     "7+8=": ["15"] * 9 + ["16"],     # p_hat 0.9 -> r_unc 0.2
                     "3+3=": ["6"] * 10}              # p_hat 1.0 -> 0
@@ -93,14 +161,21 @@ def test_proposer_reward_of_a_batch():
     completions = ["2=", "2=<eos>", "8=", "3=", "x"]  # "4+x" is malformed
     logged = {}
     rewards = plugin._proposer_reward(prompts, completions, log_metric=logged.__setitem__)
-    # valid batch of 4: "1+2=" twice (penalty 2/4), "7+8=" and "3+3=" once (1/4)
-    assert rewards == pytest.approx([1 - 0.5, 1 - 0.5, max(0.0, 0.2 - 0.25), 0.0, 0.0])
+    # batch of B = 5, the malformed problem included: "1+2=" twice (share 2/5), the others once (1/5)
+    assert rewards == pytest.approx([1 - 0.4, 1 - 0.4, max(0.0, 0.2 - 0.2), 0.0, 0.0])
     assert logged["self_play/valid"] == pytest.approx(0.8)
     assert logged["self_play/agreement"] == pytest.approx((0.5 + 0.5 + 0.9 + 1.0) / 4)
     assert logged["self_play/in_band"] == pytest.approx(0.5)  # the two 0.5s
     az = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", proposer_reward="absolute_zero"))
     az.table = plugin.table
     assert az._proposer_reward(prompts, completions) == pytest.approx([0.5, 0.5, 0.1, 0.0, 0.0])
+    code = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", proposer_reward="r_zero_code",
+                                         repetition_clustering="exact"))
+    code.table = plugin.table  # min(p, 1 - p) - share, unclipped; the malformed problem -1 - share
+    assert code._proposer_reward(prompts, completions) == pytest.approx([0.5 - 0.4, 0.5 - 0.4, 0.1 - 0.2, -0.2, -1.2])
+    bleu = StandInSolver(SelfPlay.Params(role="proposer", partner="unused"))  # the default: BLEU clusters
+    bleu.table = plugin.table  # one-token problems: every share is 1/5
+    assert bleu._proposer_reward(prompts, completions) == pytest.approx([0.8, 0.8, 0.0, 0.0, 0.0])
     solver = SelfPlay(SelfPlay.Params(role="solver", partner="unused"))
     assert solver.trl_ext_reward_functions(stage=None) is None
 
@@ -108,14 +183,14 @@ def test_proposer_reward_of_a_batch():
 def test_proposer_reward_with_verified_labels():
     """labels: verifier: p_hat is the solve rate against the verified answer; a problem the verifier rejects earns 0."""
     plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", labels="verifier", verifier="arithmetic",
-                                           question_pattern=r".*=$"))
+                                           question_pattern=r".*=$", repetition_clustering="exact"))
     plugin.table = {"1+2=": ["3"] * 5 + ["4"] * 5,   # solve rate 0.5 -> 1
                     "7+8=": ["16"] * 9 + ["15"],     # majority wrong: solve rate 0.1 -> 0.2
                     "1/0=": ["0"] * 10}              # matches the pattern, but not a problem of the task
     logged = {}
     rewards = plugin._proposer_reward(["1+", "7+", "1/"], ["2=", "8=", "0="], log_metric=logged.__setitem__)
-    # valid batch of 2, each unique: penalty 1/2
-    assert rewards == pytest.approx([1 - 0.5, max(0.0, 0.2 - 0.5), 0.0])
+    # batch of 3, each unique: share 1/3
+    assert rewards == pytest.approx([1 - 1 / 3, max(0.0, 0.2 - 1 / 3), 0.0])
     assert logged["self_play/valid"] == pytest.approx(2 / 3)
     assert logged["self_play/solve_rate"] == pytest.approx((0.5 + 0.1) / 2)
     assert logged["self_play/agreement"] == logged["self_play/solve_rate"]
@@ -153,6 +228,9 @@ def test_proposal_dataset():
     ({"role": "solver", "partner": "x", "labels": "verifier"}, "labels: verifier needs a verifier"),
     ({"role": "solver", "partner": "x", "verifier": "no_such_module.solve"}, "verifier 'no_such_module.solve'"),
     ({"role": "solver", "partner": "x", "labels": "oracle", "verifier": "arithmetic"}, "params.labels"),
+    ({"role": "solver", "partner": "x", "band": [0.8, 0.3]}, "band must satisfy 0 <= low <= high <= 1"),
+    ({"role": "proposer", "partner": "x", "repetition_clustering": "rouge"}, "params.repetition_clustering"),
+    ({"role": "proposer", "partner": "x", "repetition_threshold": 0}, "params.repetition_threshold"),
 ])
 def test_bad_parameters_are_refused(trl_ext_catalog, register_plugin, params, message):
     register_plugin(SelfPlay)
@@ -258,3 +336,14 @@ def test_verified_self_play_recipe_raises_the_solver_and_moves_the_proposer(tmp_
     assert abs(last - 0.5) < abs(first - 0.5), (first, last)  # closer to the solver's 50% boundary
     made = json.loads((tmp_path / "solver_1" / "metrics.jsonl").read_text().splitlines()[0])
     assert 0 < made["self_play/kept"] <= made["self_play/valid"] <= made["self_play/generated"] == 2048
+
+
+def test_bleu_clusters_without_their_libraries_are_refused_in_one_line(monkeypatch):
+    """The default BLEU clustering needs the self-play extra; without it the parameters are refused before any model
+    loads, with the install command and the way out."""
+    monkeypatch.setitem(sys.modules, "sklearn.cluster", None)  # import fails as if scikit-learn were missing
+    with pytest.raises(ValueError, match=r"repetition_clustering: bleu needs NLTK and scikit-learn .*pip install "
+                                         r"'trl-ext\[self-play\]' or set repetition_clustering: exact"):
+        SelfPlay.Params(role="proposer", partner="x")
+    assert SelfPlay.Params(role="proposer", partner="x", repetition_clustering="exact")  # no library needed
+    assert SelfPlay.Params(role="solver", partner="x")  # the solver role never clusters

@@ -5,6 +5,7 @@ rewards (``self_play``) and pivot selection (``pivot_rl``)."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from typing import Literal, Sequence
 
@@ -138,16 +139,68 @@ def learnability_reward(mean_solve_rate: float) -> float:
 
 def in_informative_band(p_hat: float, delta: float) -> bool:
     """R-Zero's solver filter ``|p_hat - 1/2| <= delta``."""
-    return abs(p_hat - 0.5) <= delta + 1e-12
+    return within_band(p_hat, 0.5 - delta, 0.5 + delta)
 
 
-def repetition_penalties(questions: Sequence[str]) -> list[float]:
-    """Batch repetition penalty: ``|cluster| / batch`` for each question, clustering exact duplicates (after
-    whitespace normalisation); a question unique in the batch pays ``1 / batch``. R-Zero clusters by BLEU distance;
-    exact-match clusters are the special case for short formal problems."""
-    keys = [" ".join(q.split()) for q in questions]
-    counts = Counter(keys)
-    return [counts[k] / len(keys) for k in keys]
+def within_band(p_hat: float, low: float, high: float) -> bool:
+    """``low <= p_hat <= high``, with a 1e-12 margin so that 0.5 + 0.2 keeps a p_hat of 7/10."""
+    return low - 1e-12 <= p_hat <= high + 1e-12
+
+
+def r_zero_code_reward(p_hat: float | None, share: float) -> float:
+    """The challenger reward of R-Zero's released code (``caller_penalty.py``): ``min(p_hat, 1 - p_hat) - share`` for a
+    well-formed problem, ``-1 - share`` for a malformed one (``p_hat`` None), unclipped. Half the paper's uncertainty
+    term, so the repetition share weighs twice as much against it as in the paper's ``max(0, r_unc - share)``."""
+    if p_hat is None:
+        return -1.0 - share
+    return min(p_hat, 1.0 - p_hat) - share
+
+
+def repetition_penalties(questions: Sequence[str], clustering: str = "exact", threshold: float = 0.5) -> list[float]:
+    """R-Zero's batch repetition penalty ``|C_k| / B``: the share of the batch (all ``B`` questions) in each question's
+    cluster, so a question unique in the batch pays ``1 / B``. ``clustering``: ``exact`` (identical after whitespace
+    normalisation) or ``bleu`` (R-Zero: :func:`bleu_clusters` at ``threshold``)."""
+    if not questions:
+        return []
+    if clustering == "bleu":
+        labels = bleu_clusters(questions, threshold)
+    elif clustering == "exact":
+        labels = [" ".join(q.split()) for q in questions]
+    else:
+        raise ValueError(f"clustering must be 'exact' or 'bleu', got {clustering!r}")
+    counts = Counter(labels)
+    return [counts[label] / len(labels) for label in labels]
+
+
+def bleu_distance_matrix(questions: Sequence[str]) -> list[list[float]]:
+    """R-Zero's pairwise distances ``1 - BLEU``: NLTK's sentence BLEU (4-gram, smoothing method 1) on whitespace tokens,
+    the earlier question of a pair as the hypothesis and the later as the reference (BLEU is not symmetric; R-Zero
+    fills one triangle and mirrors it), 0 on the diagonal. A one-token question has BLEU 0.18 with itself, so short
+    formal problems never fall within a 0.5 distance: use ``exact`` clusters for them."""
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+
+    smoothing = SmoothingFunction().method1
+    n = len(questions)
+    tokens = [q.split() for q in questions]
+    dist = [[0.0] * n for _ in range(n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NLTK warns on zero n-gram overlaps, which smoothing handles
+        for i in range(n):
+            for j in range(i + 1, n):
+                dist[i][j] = dist[j][i] = 1.0 - sentence_bleu([tokens[j]], tokens[i], smoothing_function=smoothing)
+    return dist
+
+
+def bleu_clusters(questions: Sequence[str], threshold: float = 0.5) -> list[int]:
+    """Cluster labels from average-linkage agglomerative clustering of :func:`bleu_distance_matrix` (scikit-learn, as
+    R-Zero): clusters stop merging at a linkage distance of ``threshold`` or more."""
+    if len(questions) < 2:
+        return [0] * len(questions)
+    from sklearn.cluster import AgglomerativeClustering
+
+    clustering = AgglomerativeClustering(n_clusters=None, distance_threshold=threshold, metric="precomputed",
+                                         linkage="average")
+    return [int(x) for x in clustering.fit_predict(np.array(bleu_distance_matrix(questions)))]
 
 
 # -- PivotRL (ALGORITHMS.md item 9) ------------------------------------------------------------------------------------

@@ -13,22 +13,24 @@ from transformers import TrainerCallback
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rollout.control_math import (
-    in_informative_band,
     learnability_reward,
     majority_vote,
+    r_zero_code_reward,
     repetition_penalties,
     uncertainty_reward,
     verified_solve_rate,
+    within_band,
 )
 
 
-def solver_rows(questions: list[str], votes: list[tuple[str | None, float]], delta: float) -> list[dict[str, Any]]:
+def solver_rows(questions: list[str], votes: list[tuple[str | None, float]],
+                band: tuple[float, float]) -> list[dict[str, Any]]:
     """The solver's training rows: each problem with its label and ``p_hat`` (from :func:`majority_vote` or
-    :func:`verified_solve_rate`), kept only when it has a label and ``|p_hat - 1/2| <= delta`` (R-Zero's informative
-    band)."""
+    :func:`verified_solve_rate`), kept only when it has a label and ``low <= p_hat <= high`` (R-Zero's informative
+    band, ``band = (low, high)``)."""
     rows = []
     for question, (label, p_hat) in zip(questions, votes, strict=True):
-        if label is not None and in_informative_band(p_hat, delta):
+        if label is not None and within_band(p_hat, *band):
             rows.append({"prompt": question, "answer": label, "p_hat": p_hat})
     return rows
 
@@ -51,13 +53,27 @@ class SelfPlayParams(PluginParams):
     partner: str = Field(description="The other role's model (stage:<name>, embedded:<name> or a path): the solver "
                                      "that answers a proposer's problems, or the proposer that writes a solver's.")
     samples: int = Field(10, ge=2, description="m: solver answers per problem (R-Zero: 10).")
-    delta: float = Field(0.25, ge=0.0, le=0.5, description="Solver filter band |p_hat - 1/2| <= delta (third-party "
-                                                           "R-Zero re-implementations keep 30-70%).")
-    proposer_reward: Literal["r_zero", "absolute_zero"] = Field(
-        "r_zero", description="r_zero: 1 - 2|p_hat - 1/2| minus the repetition penalty (the default); absolute_zero: "
+    delta: float = Field(0.25, ge=0.0, le=0.5, description="Solver filter band |p_hat - 1/2| <= delta (R-Zero's "
+                                                           "paper: 0.25).")
+    band: tuple[float, float] | None = Field(None, description="Explicit solver filter bounds [low, high] on p_hat "
+                                             "instead of 1/2 +- delta (R-Zero's released solver script keeps "
+                                             "[0.3, 0.8]).")
+    proposer_reward: Literal["r_zero", "r_zero_code", "absolute_zero"] = Field(
+        "r_zero", description="r_zero: max(0, 1 - 2|p_hat - 1/2| - repetition penalty), 0 for a malformed problem "
+                              "(the paper, the default); r_zero_code: min(p_hat, 1 - p_hat) - penalty, -1 - penalty "
+                              "for a malformed problem, unclipped (R-Zero's released code); absolute_zero: "
                               "1 - p_hat if 0 < p_hat < 1 else 0 (the learnability reward: p_hat is the solve rate "
                               "with labels: verifier, as in Absolute Zero; the majority agreement stands in for it "
                               "with labels: majority).")
+    repetition_clustering: Literal["bleu", "exact"] = Field(
+        "bleu", description="How the repetition penalty clusters the batch's problems. bleu: R-Zero's 1 - BLEU "
+                            "distance (NLTK, whitespace tokens) and average-linkage clustering at "
+                            "repetition_threshold (scikit-learn; pip install 'trl-ext[self-play]'), the default; "
+                            "exact: identical problems (after whitespace normalisation), for short formal problems, "
+                            "whose single whitespace token never comes within BLEU distance 0.5 of itself.")
+    repetition_threshold: float = Field(0.5, gt=0.0, le=1.0, description="bleu clustering: clusters stop merging at "
+                                                                          "this average 1 - BLEU distance (R-Zero: "
+                                                                          "0.5).")
     labels: Literal["majority", "verifier"] = Field(
         "majority", description="Where answers' labels come from. majority: the most frequent of the m answers, with "
                                 "p_hat its share (R-Zero, the default); verifier: the `verifier` function's answer, "
@@ -91,6 +107,27 @@ class SelfPlayParams(PluginParams):
         return self
 
     @model_validator(mode="after")
+    def _band_is_ordered(self):
+        if self.band is not None and not 0.0 <= self.band[0] <= self.band[1] <= 1.0:
+            raise ValueError(f"band must satisfy 0 <= low <= high <= 1, got {list(self.band)}")
+        return self
+
+    @model_validator(mode="after")
+    def _bleu_clustering_installed(self):
+        if self.repetition_clustering == "bleu" and self.role == "proposer":
+            try:
+                import nltk.translate.bleu_score  # noqa: F401
+                import sklearn.cluster  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"repetition_clustering: bleu needs NLTK and scikit-learn ({exc}); pip install "
+                                 "'trl-ext[self-play]' or set repetition_clustering: exact") from None
+        return self
+
+    def solver_band(self) -> tuple[float, float]:
+        """The kept p_hat range: ``band`` or ``1/2 +- delta``."""
+        return tuple(self.band) if self.band is not None else (0.5 - self.delta, 0.5 + self.delta)
+
+    @model_validator(mode="after")
     def _verifier_loads(self):
         if self.labels == "verifier" and self.verifier is None:
             raise ValueError("labels: verifier needs a verifier (e.g. verifier: arithmetic)")
@@ -110,17 +147,26 @@ class SelfPlay(Plugin):
     ``role: proposer`` adds one reward function, ``self_play``: each proposed problem (``prompt + completion`` by
     default, so a proposer can complete a prefix such as ``12+``) that matches ``question_pattern`` is answered
     ``samples`` times (m, default 10) by the ``partner`` solver; ``p_hat`` is the share agreeing with the label, and the
-    reward is ``max(0, 1 - 2|p_hat - 1/2| - repetition_weight * |cluster| / batch)`` where clusters are identical
-    problems in the batch (R-Zero clusters by BLEU distance; exact duplicates are the special case for short formal
-    problems). A malformed problem earns 0. ``proposer_reward: absolute_zero`` uses ``1 - p_hat`` for
-    ``0 < p_hat < 1`` instead. Logged: ``self_play/agreement`` (mean p_hat of valid problems), ``self_play/valid``,
-    ``self_play/in_band`` (share of valid problems with |p_hat - 1/2| <= delta) and, with a ``verifier``,
+    reward is ``max(0, 1 - 2|p_hat - 1/2| - repetition_weight * |C| / B)``; a malformed problem earns 0. ``|C| / B`` is
+    the share of the reward call's batch (B problems, malformed ones included; per rank) in the problem's cluster.
+    ``proposer_reward: r_zero_code`` uses R-Zero's released code instead (``min(p_hat, 1 - p_hat) - |C| / B``, and
+    ``-1 - |C| / B`` for a malformed problem, unclipped: the paper's uncertainty term halved); ``absolute_zero`` uses
+    ``1 - p_hat`` for ``0 < p_hat < 1``. Logged: ``self_play/agreement`` (mean p_hat of valid problems),
+    ``self_play/valid``, ``self_play/in_band`` (share of valid problems in the solver's band) and, with a ``verifier``,
     ``self_play/solve_rate`` (the solver's true accuracy on them).
+
+    Clusters (``repetition_clustering``): ``bleu`` (default, R-Zero's paper and code) clusters by ``1 - BLEU`` with
+    average linkage, stopping at ``repetition_threshold`` (0.5), with R-Zero's choices: NLTK sentence BLEU with
+    smoothing method 1 on whitespace tokens, the earlier problem of a pair as hypothesis, scikit-learn's agglomerative
+    clustering. ``exact`` clusters identical problems: for short formal problems such as ``12+34=``, one whitespace
+    token whose BLEU with itself is 0.18, so ``bleu`` would never cluster even exact duplicates (the embedded recipes
+    set ``exact``).
 
     ``role: solver`` replaces the train split: ``num_questions`` problems are sampled from the ``partner`` proposer
     (one per dataset prompt, cycling), well-formed ones are answered m times by the stage's own (starting) solver, the
     label becomes the ``answer`` column (a binary reward such as ``exact_match`` then scores against it) and only
-    problems with ``|p_hat - 1/2| <= delta`` (default 0.25) are kept; ``p_hat`` is added as a column. How the rows were
+    problems with ``|p_hat - 1/2| <= delta`` (default 0.25, the paper's; ``band: [0.3, 0.8]`` gives the released
+    script's bounds) are kept; ``p_hat`` is added as a column. How the rows were
     made (``self_play/generated``, ``valid``, ``kept`` and, for majority labels with a verifier,
     ``label_accuracy``) is logged with step 1. Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1``
     (partner: stage:proposer_1), ``proposer_2`` (partner: stage:solver_1), ... in one recipe (configs/self_play.yaml).
@@ -139,7 +185,8 @@ class SelfPlay(Plugin):
     in p_hat's denominator but never wins the vote); ties in the vote go to the answer seen first; answers and labels
     compare as strings; sampling draws from the full distribution at ``temperature`` with a fixed ``seed`` (forked
     RNG). The partner model is loaded once per stage with ``from_pretrained`` defaults (CPU), next to the trained
-    policy. Not implemented: BLEU clustering and R-Zero's format tags.
+    policy. Not implemented: R-Zero's ``<question>`` and ``\\boxed{}`` tags (``question_pattern`` and
+    ``answer_pattern`` take their place).
 
     Measured on the embedded task (configs/self_play*.yaml, one run each): with verified labels the solver's held-out
     greedy accuracy rises over two rounds (0.385 -> 0.505 -> 0.525) and the proposer's problems move toward the
@@ -221,19 +268,21 @@ class SelfPlay(Plugin):
         p = self.params
         questions = [self.question_text(x, c) for x, c in zip(prompts, completions, strict=True)]
         valid = [i for i, q in enumerate(questions) if self.well_formed(q)]
-        rewards = [0.0] * len(questions)
+        # The repetition share is over the whole batch B, malformed problems included (R-Zero's |C_k| / B).
+        shares = [p.repetition_weight * x for x in repetition_penalties(questions, p.repetition_clustering,
+                                                                         p.repetition_threshold)]
+        p_hat_of: dict[int, float] = {}
         if valid:
             model, tokenizer = self._partner_model()
             step = trainer_state.global_step if trainer_state is not None else 0
             valid_questions = [questions[i] for i in valid]
             answers = self.answers(model, tokenizer, valid_questions, seed=p.seed + step)
             votes = self.votes(valid_questions, answers)
-            penalties = repetition_penalties(valid_questions)
-            for i, (_, p_hat), penalty in zip(valid, votes, penalties, strict=True):
-                rewards[i] = self.proposer_reward(p_hat, penalty)
+            p_hat_of = {i: p_hat for i, (_, p_hat) in zip(valid, votes, strict=True)}
             p_hats = [v[1] for v in votes]
+            band = p.solver_band()
             record = {"self_play/agreement": sum(p_hats) / len(p_hats),
-                      "self_play/in_band": sum(in_informative_band(x, p.delta) for x in p_hats) / len(p_hats),
+                      "self_play/in_band": sum(within_band(x, *band) for x in p_hats) / len(p_hats),
                       "self_play/valid": len(valid) / len(questions)}
             if p.verifier is not None:  # the solver's true accuracy on the proposed problems (rejected ones: 0)
                 rates = [verified_solve_rate(row, self.verified_answer(q))[1]
@@ -241,6 +290,7 @@ class SelfPlay(Plugin):
                 record["self_play/solve_rate"] = sum(rates) / len(rates)
         else:
             record = {"self_play/valid": 0.0}
+        rewards = [self.proposer_reward(p_hat_of.get(i), share) for i, share in enumerate(shares)]
         self.history.append(record)
         if log_metric is not None:
             for key, value in record.items():
@@ -253,10 +303,16 @@ class SelfPlay(Plugin):
             return False
         return self.params.labels != "verifier" or self.verified_answer(question) is not None
 
-    def proposer_reward(self, p_hat: float, penalty: float) -> float:
-        if self.params.proposer_reward == "absolute_zero":
+    def proposer_reward(self, p_hat: float | None, share: float) -> float:
+        """One problem's reward from its p_hat (None: malformed) and its weighted repetition share."""
+        kind = self.params.proposer_reward
+        if kind == "r_zero_code":
+            return r_zero_code_reward(p_hat, share)
+        if p_hat is None:
+            return 0.0
+        if kind == "absolute_zero":
             return learnability_reward(p_hat)
-        return max(0.0, uncertainty_reward(p_hat) - self.params.repetition_weight * penalty)
+        return max(0.0, uncertainty_reward(p_hat) - share)
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
@@ -278,8 +334,9 @@ class SelfPlay(Plugin):
         rows, record = on_main_process(lambda: self._solver_rows(dataset, stage), self.name)
         self.history.append(record)
         if not rows:
-            raise ValueError(f"plugin {self.name!r}: none of {record['self_play/valid']} well-formed problems lies in "
-                             f"the band |p_hat - 1/2| <= {self.params.delta}; widen delta or sample more")
+            low, high = self.params.solver_band()
+            raise ValueError(f"plugin {self.name!r}: none of {record['self_play/valid']} well-formed problems has "
+                             f"{low:g} <= p_hat <= {high:g}; widen delta or band, or sample more")
         from datasets import Dataset
 
         return Dataset.from_list(rows)
@@ -301,7 +358,7 @@ class SelfPlay(Plugin):
                              f"{p.num_questions} tries (question_pattern {p.question_pattern!r})")
         solver, solver_tokenizer = load_policy(resolve_model(stage.model, self.name))
         answers = self.answers(solver, solver_tokenizer, questions, seed=p.seed + 1)
-        rows = solver_rows(questions, self.votes(questions, answers), p.delta)
+        rows = solver_rows(questions, self.votes(questions, answers), p.solver_band())
         record = {"self_play/generated": len(prompts), "self_play/valid": len(questions), "self_play/kept": len(rows)}
         if p.labels == "majority" and p.verifier is not None and rows:
             # How often the pseudo-label is right (R-Zero measures it with an oracle); training does not see it.
