@@ -302,6 +302,22 @@ def test_exact_match_reward(completion, gold, reward):
     assert exact_match_reward([completion], answer=[gold], prompts=["unused"]) == [reward]
 
 
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        ("12+5=17,17+7=24<eos>", 1.0),   # the answer after the last "="
+        ("12+5=17,17+7=23<eos>", 0.0),
+        ("12+5=24,24+7=31", 0.0),        # the right number in the wrong place does not count
+        ("24", 1.0),                     # no marker: read from the start
+        ("12+5=17,17+7= 24 <eos>", 1.0),
+        ("12+5=17,17+7=", 0.0),          # a chain cut before its answer
+        ([{"role": "assistant", "content": "7+5=12,12+12=24"}], 1.0),
+    ],
+)
+def test_exact_match_reward_after_a_marker(completion, reward):
+    assert exact_match_reward([completion], answer=["24"], answer_after="=") == [reward]
+
+
 def test_registry():
     assert EMBEDDED_DATASETS["arithmetic"] is arithmetic_dataset
     assert set(EMBEDDED_MODELS) == {"tiny-qwen2", "tiny-qwen2-small", "tiny-qwen3-moe", "tiny-glm4-moe-mtp",

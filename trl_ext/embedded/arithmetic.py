@@ -141,17 +141,23 @@ def _completion_text(completion) -> str:
     return completion
 
 
-def exact_match_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+def exact_match_reward(completions: list, answer: list[str], answer_after: str | None = None,
+                       **kwargs) -> list[float]:
     """1.0 where the integer at the start of the completion equals the gold answer, else 0.0.
 
     Special-token text (e.g. "<eos>") and surrounding whitespace are ignored; anything after the
     leading integer is ignored too, so "46<eos>", " 46" and "46 =" all match "46" but "460" does not.
-    Takes TRL's reward-function arguments: `answer` is the dataset column, other columns arrive in kwargs.
+    With `answer_after` (e.g. "=" for a chain of steps "12+5=17,17+7=24", GSM8K's "####"), the answer is
+    the integer at the start of what follows the last occurrence of that text (the whole completion when
+    it has none). Takes TRL's reward-function arguments: `answer` is the dataset column, other columns
+    arrive in kwargs.
     """
     rewards = []
     for completion, gold in zip(completions, answer, strict=True):
-        text = _SPECIAL_TEXT.sub("", _completion_text(completion)).strip()
-        match = _LEADING_INTEGER.match(text)
+        text = _SPECIAL_TEXT.sub("", _completion_text(completion))
+        if answer_after:
+            text = text.rsplit(answer_after, 1)[-1]
+        match = _LEADING_INTEGER.match(text.strip())
         rewards.append(1.0 if match is not None and match.group() == str(gold).strip() else 0.0)
     return rewards
 
