@@ -347,3 +347,43 @@ def test_bleu_clusters_without_their_libraries_are_refused_in_one_line(monkeypat
         SelfPlay.Params(role="proposer", partner="x")
     assert SelfPlay.Params(role="proposer", partner="x", repetition_clustering="exact")  # no library needed
     assert SelfPlay.Params(role="solver", partner="x")  # the solver role never clusters
+
+
+def test_chain_task_rows_are_worked_sums_in_varied_orders():
+    from trl_ext_plugins.rollout.datasets import arithmetic_chain, arithmetic_chain_proposals, chain_of_steps, solve_sum
+
+    train, test = arithmetic_chain("train"), arithmetic_chain("test", format="prompt")
+    assert (len(train), len(test)) == (8000 - 500, 500)  # all 20^3 ordered triples, 500 held out
+    assert not set(train["prompt"]) & set(test["prompt"]) and "completion" not in test.column_names
+    firsts = set()
+    for row in train.select(range(300)):
+        a, b, c = (int(x) for x in row["prompt"][:-1].split("+"))
+        steps = row["completion"].removesuffix("<eos>")
+        first, second = steps.split(",")
+        x, y = (int(v) for v in first.split("=")[0].split("+"))
+        partial = int(first.split("=")[1])
+        assert sorted([x, y, int(second.split("+")[1].split("=")[0])]) == sorted([a, b, c])
+        assert partial == x + y and second == f"{partial}+{a + b + c - partial}={a + b + c}"
+        assert row["answer"] == str(a + b + c) == solve_sum(row["prompt"])
+        if len({a, b, c}) == 3:  # which two positions were added first
+            firsts.add(frozenset(i for i, v in enumerate((a, b, c)) if v in (x, y)))
+    assert firsts == {frozenset({0, 1}), frozenset({0, 2}), frozenset({1, 2})}  # every pair comes first somewhere
+    assert chain_of_steps(12, 7, 5) == chain_of_steps(12, 7, 5) and arithmetic_chain("train")[:5] == train[:5]
+    proposals = arithmetic_chain_proposals("train", format="prompt_completion", size=3)
+    assert [p + c.removesuffix("<eos>") for p, c in zip(proposals["prompt"], proposals["completion"])] == \
+        train["prompt"][:3]
+    assert [solve_sum(q) for q in ("1+2+3=", " 10 + 20 + 30 = ", "4+5=", "1+2+3", "1+-2+3=", "1*2+3=", "")] == \
+        ["6", "60", "9", None, None, None, None]
+    assert solve_sum("9" * 101 + "+1+1=") is None  # never parses a huge generated number
+
+
+def test_chain_answers_are_read_after_the_last_equals_sign():
+    """The chain recipe's answer pattern: the number ending the text right after an "=" (a chain cut short, or with
+    text after its last number, has no answer)."""
+    plugin = SelfPlay(SelfPlay.Params(role="solver", partner="x", answer_pattern=r"(?<![^=])-?\d+(?=\s*$)"))
+    import re
+
+    pattern = re.compile(plugin.params.answer_pattern)
+    found = [(m.group() if (m := pattern.search(t)) else "") for t in
+             ("12+5=17,17+7=24", "24", "12+5=17,17+", "12+5=17,17+7=24\n", "12+5=17,17+7=", "7+5=12,12+12=24x")]
+    assert found == ["24", "24", "", "24", "", ""]

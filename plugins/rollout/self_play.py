@@ -35,7 +35,8 @@ def solver_rows(questions: list[str], votes: list[tuple[str | None, float]],
     return rows
 
 
-BUILTIN_VERIFIERS = {"arithmetic": "trl_ext.embedded.arithmetic.solve"}
+BUILTIN_VERIFIERS = {"arithmetic": "trl_ext.embedded.arithmetic.solve",
+                     "arithmetic_chain": "trl_ext_plugins.rollout.datasets.solve_sum"}
 
 
 def load_verifier(spec: str) -> Callable[[str], Any]:
