@@ -189,11 +189,13 @@ class SelfPlay(Plugin):
     policy. Not implemented: R-Zero's ``<question>`` and ``\\boxed{}`` tags (``question_pattern`` and
     ``answer_pattern`` take their place).
 
-    Measured on the embedded task (configs/self_play*.yaml, one run each): with verified labels the solver's held-out
-    greedy accuracy rises over two rounds (0.385 -> 0.505 -> 0.525) and the proposer's problems move toward the
-    boundary (solve rate 0.145 -> 0.319); with majority labels it falls (0.385 -> 0.265 -> 0.240), because the kept
-    pseudo-labels are right only 38% and 29% of the time. The majority vote gains only where it beats the solver's
-    single answer; for this one-step answer it does not at any temperature (the recipe header has the figures).
+    Measured on the embedded tasks (configs/self_play*.yaml, one run each, held-out greedy accuracy over two rounds):
+    with verified labels the solver rises (one-step addition 0.385 -> 0.505 -> 0.525, the proposer's solve rate 0.145
+    -> 0.319; three-operand chains 0.726 -> 0.804 -> 0.888). With majority labels it falls on both: on one-step
+    addition (0.385 -> 0.265 -> 0.240) the vote is worse than the greedy answer at every temperature; on the chain task
+    (embedded:arithmetic_chain, 0.726 -> 0.678 -> 0.652) the vote beats the greedy answer (0.738-0.790 against
+    0.726), but the quarter of kept labels that are wrong are the solver's own likeliest mistakes, and rewarding them
+    costs more than the right ones gain. configs/self_play_chain.yaml's header has the variants measured.
     """
 
     name = "self_play"
