@@ -190,9 +190,9 @@ class SelfPlay(Plugin):
     ``answer_pattern`` take their place).
 
     Measured on the embedded tasks (configs/self_play*.yaml, one run each, held-out greedy accuracy over two rounds):
-    with verified labels the solver rises (one-step addition 0.385 -> 0.505 -> 0.525, the proposer's solve rate 0.145
-    -> 0.319; three-operand chains 0.726 -> 0.804 -> 0.888). With majority labels it falls on both: on one-step
-    addition (0.385 -> 0.265 -> 0.240) the vote is worse than the greedy answer at every temperature; on the chain task
+    with verified labels the solver rises (one-step addition 0.415 -> 0.460 -> 0.485, the proposer's solve rate 0.141
+    -> 0.334; three-operand chains 0.726 -> 0.804 -> 0.888). With majority labels it falls on both: on one-step
+    addition (0.415 -> 0.315 -> 0.180) the vote is worse than the greedy answer at every temperature; on the chain task
     (embedded:arithmetic_chain, 0.726 -> 0.678 -> 0.652) the vote beats the greedy answer (0.738-0.790 against
     0.726), but the quarter of kept labels that are wrong are the solver's own likeliest mistakes, and rewarding them
     costs more than the right ones gain. configs/self_play_chain.yaml's header has the variants measured.
