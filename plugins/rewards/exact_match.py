@@ -22,7 +22,8 @@ class ExactMatch(Plugin):
     Reward 1.0 when the completion's leading answer (whitespace and end-of-sequence text stripped) equals the gold
     answer string, else 0.0 (the RLVR 1/0 scale; DAPO's +-1 is a weight/offset choice). ``answer_after`` reads the
     answer after the last occurrence of a marker instead (a completion without the marker is read from its start).
-    Works for plain-text and conversational completions. For mathematical equivalence (fractions, LaTeX) use ``math_verify`` instead.
+    Works for plain-text and conversational completions. For mathematical equivalence (fractions, LaTeX) use
+    ``math_verify`` instead.
     """
 
     name = "exact_match"
