@@ -8,6 +8,7 @@ import re
 from datasets import Dataset
 
 from trl_ext.embedded.arithmetic import arithmetic_dataset
+from trl_ext.embedded.splits import first_problems, seeded_split
 from trl_ext.embedded.tokenizer import EOS_TOKEN
 
 _PROBLEM = re.compile(r"^(-?\d+[-+*])(\d+=)$")
@@ -35,14 +36,10 @@ _MAX_SUM_DIGITS = 100  # a verifier never parses huge generated numbers (int() r
 
 
 def _chain_problems(split: str, seed: int, max_operand: int) -> list[tuple[int, int, int]]:
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if max_operand < 2:
         raise ValueError(f"max_operand must be at least 2, got {max_operand}")
     problems = [(a, b, c) for a in range(max_operand) for b in range(max_operand) for c in range(max_operand)]
-    random.Random(seed).shuffle(problems)
-    test_size = min(_CHAIN_TEST_SIZE, len(problems) // 5)
-    return problems[:test_size] if split == "test" else problems[test_size:]
+    return seeded_split(problems, split, seed, test_size=min(_CHAIN_TEST_SIZE, len(problems) // 5))
 
 
 def chain_of_steps(a: int, b: int, c: int, seed: int = 0) -> str:
@@ -66,11 +63,7 @@ def arithmetic_chain(split: str = "train", format: str = "prompt_completion", se
     ``answer_after: "="``."""
     if format not in ("prompt", "prompt_completion"):
         raise ValueError(f"format must be 'prompt' or 'prompt_completion', got {format!r}")
-    problems = _chain_problems(split, seed, max_operand)
-    if size is not None:
-        if size > len(problems):
-            raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
-        problems = problems[:size]
+    problems = first_problems(_chain_problems(split, seed, max_operand), size, split)
     rows = []
     for a, b, c in problems:
         row = {"prompt": f"{a}+{b}+{c}=", "answer": str(a + b + c)}

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from datasets import Dataset
 
+from trl_ext.embedded.splits import first_problems, seeded_split
 from trl_ext.embedded.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
 
 FORMATS = ("prompt_completion", "prompt", "preference", "unpaired")
@@ -25,12 +26,8 @@ def _problems(split: str, seed: int, max_operand: int, operations: str) -> list[
     unknown = set(operations) - set(_OPERATIONS)
     if unknown or not operations:
         raise ValueError(f"operations must be made of {''.join(_OPERATIONS)!r}, got {operations!r}")
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     problems = [(a, op, b) for op in operations for a in range(max_operand) for b in range(max_operand)]
-    random.Random(seed).shuffle(problems)
-    test_size = min(_MAX_TEST_SIZE, len(problems) // 5)
-    return problems[:test_size] if split == "test" else problems[test_size:]
+    return seeded_split(problems, split, seed, test_size=min(_MAX_TEST_SIZE, len(problems) // 5))
 
 
 def _wrong_answer(a: int, op: str, b: int, answer: int, seed: int) -> int:
@@ -89,11 +86,7 @@ def arithmetic_dataset(
         raise ValueError(f"tail_fraction shapes completions: it needs format 'prompt_completion', got {format!r}")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    problems = _problems(split, seed, max_operand, operations)
-    if size is not None:
-        if size > len(problems):
-            raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
-        problems = problems[:size]
+    problems = first_problems(_problems(split, seed, max_operand, operations), size, split)
 
     rows = []
     for index, (a, op, b) in enumerate(problems):

@@ -20,6 +20,7 @@ import random
 
 from datasets import Dataset
 
+from trl_ext.embedded.splits import first_problems, seeded_split
 from trl_ext.embedded.tokenizer import EOS_TOKEN
 
 FORMATS = ("prompt_completion", "prompt")
@@ -28,13 +29,10 @@ TEST_INPUTS = (0, 1, 5)
 
 
 def _problems(split: str, seed: int, max_a: int, max_b: int, test_size: int) -> list[tuple[str, int, int]]:
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     problems = [(style, a, b) for style in STYLES for a in range(1, max_a + 1) for b in range(max_b + 1)]
     if not 0 < test_size < len(problems):
         raise ValueError(f"test_size must be between 1 and {len(problems) - 1}, got {test_size}")
-    random.Random(seed).shuffle(problems)
-    return problems[:test_size] if split == "test" else problems[test_size:]
+    return seeded_split(problems, split, seed, test_size)
 
 
 def reference_solution(style: str, a: int, b: int, off_by_one: bool = False) -> str:
@@ -68,11 +66,7 @@ def code_tasks_dataset(split: str = "train", format: str = "prompt", seed: int =
     buggy = random.Random(f"{seed}:buggy")
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    problems = _problems(split, seed, max_a, max_b, test_size)
-    if size is not None:
-        if size > len(problems):
-            raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
-        problems = problems[:size]
+    problems = first_problems(_problems(split, seed, max_a, max_b, test_size), size, split)
     rows = []
     for style, a, b in problems:
         row = {"prompt": f"{style} x*{a}+{b}:\n", "tests": hidden_tests(style, a, b)}

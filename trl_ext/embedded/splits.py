@@ -1,0 +1,23 @@
+"""How every embedded task splits its problems: one seeded shuffle, the test split first, and the first ``size``
+problems of a split on request. Held-out problems never appear in training, and the same arguments give the same rows."""
+
+import random
+
+
+def seeded_split(problems: list, split: str, seed: int, test_size: int) -> list:
+    """``problems`` shuffled with ``seed``: the first ``test_size`` form the ``test`` split, the rest ``train``."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    problems = list(problems)
+    random.Random(seed).shuffle(problems)
+    return problems[:test_size] if split == "test" else problems[test_size:]
+
+
+def first_problems(problems: list, size: int | None, split: str) -> list:
+    """The first ``size`` problems of a split (all of them for ``None``); a split holding fewer is an error that says
+    how many it holds."""
+    if size is None:
+        return problems
+    if size > len(problems):
+        raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
+    return problems[:size]
