@@ -377,9 +377,7 @@ def test_self_play_solver_rows_are_sampled_on_the_main_process_and_shared(monkey
     assert plugin.history == [record]
 
 
-def test_prm_monte_carlo_labels_are_computed_on_the_main_process_and_shared(monkeypatch, tmp_path):
-    import tempfile
-
+def test_prm_monte_carlo_labels_are_computed_on_the_main_process_and_shared(monkeypatch):
     from datasets import Dataset
 
     from trl_ext_plugins.rewards import prm, steps
@@ -387,7 +385,6 @@ def test_prm_monte_carlo_labels_are_computed_on_the_main_process_and_shared(monk
     ranks = TwoRanks(monkeypatch)
     data = Dataset.from_list([{"prompt": "2+2=", "completions": ["a", "b"], "answer": "4"}])
     stage = SimpleNamespace(trainer=prm.TRAINING)
-    monkeypatch.setattr(tempfile, "mkdtemp", lambda prefix="": str(tmp_path))
     monkeypatch.setattr(prm, "resolve_ref", lambda ref, run_dir: ref)
     monkeypatch.setattr(steps, "transformers_completer", lambda folder, max_new_tokens: "completer")
     monkeypatch.setattr(steps, "monte_carlo_step_labels", lambda *args: [1.0, 0.0])

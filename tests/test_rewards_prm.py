@@ -250,8 +250,14 @@ def test_tiny_model_as_judge_gives_fallback_labels_counted(tiny_model_dir):
     assert plugin.judge_stats.verdicts == len(parsed) and plugin.judge_stats.unparsable == parsed.count(None) > 0
 
 
-def test_judge_labelled_prm_stage_runs_in_a_recipe(tmp_path):
-    """One prm stage whose labels come from the embedded tiny model as judge (by name), 1 training step."""
+def test_judge_labelled_prm_stage_runs_in_a_recipe(tmp_path, monkeypatch):
+    """One prm stage whose labels come from the embedded tiny model as judge (by name), 1 training step. The judge is
+    the run's own copy of the embedded model: labelling writes no model folder outside the output directory."""
+    from trl_ext_plugins.rewards import llm_judge
+
+    judged_from = []
+    make_backend = llm_judge.make_backend
+    monkeypatch.setattr(llm_judge, "make_backend", lambda j: judged_from.append(j.path) or make_backend(j))
     recipe = parse_recipe({"seed": 0, "stages": [{
         "name": "prm", "trainer": "prm", "model": "embedded:tiny-qwen2",
         "dataset": {"source": "embedded:multistep_arithmetic", "split": "train", "params": {"size": 4}},
@@ -259,3 +265,4 @@ def test_judge_labelled_prm_stage_runs_in_a_recipe(tmp_path):
         "args": {"max_steps": 1, "per_device_train_batch_size": 4, "save_strategy": "no", "max_length": 64}}]})
     info = run_recipe(recipe, tmp_path / "run", Catalog.discover(), echo=lambda _m: None)
     assert info["stages"]["prm"]["global_step"] == 1 and info["stages"]["prm"]["train_loss"] > 0
+    assert judged_from == [str(tmp_path / "run" / "_embedded" / "tiny-qwen2")]

@@ -94,6 +94,16 @@ def step_probabilities(model, tokenizer, prompts: list[str], step_lists: list[li
     return out
 
 
+def _local_model(ref: str) -> str:
+    """A local folder for the completer's or judge's model reference. Inside a run an ``embedded:`` model is the run's
+    own copy (``<output_dir>/_embedded/<name>``, the run's seed), so labelling writes nothing outside the output
+    directory; outside a run, as :func:`~trl_ext_plugins.rewards.scoring.resolve_ref` resolves it."""
+    from trl_ext.runner import current_run, resolve_model_ref
+
+    ctx = current_run()
+    return resolve_model_ref(ref, ctx) if ctx is not None else resolve_ref(ref, None)
+
+
 class PRMScorer(LazyScorer):
     """Scores completions: split into steps, step probabilities, aggregated (product / min / last)."""
 
@@ -199,9 +209,6 @@ class PRM(Plugin):
         p = self.params
         if stage.trainer != TRAINING or p.label_source == "dataset":
             return None
-        import tempfile
-        from pathlib import Path
-
         from trl_ext_plugins.rewards.steps import monte_carlo_step_labels, transformers_completer
 
         from trl_ext_plugins.preference.generation import on_main_process
@@ -214,7 +221,7 @@ class PRM(Plugin):
             return labelled
 
         def monte_carlo():
-            folder = resolve_ref(p.completer, Path(tempfile.mkdtemp(prefix="prm-completer-")))
+            folder = _local_model(p.completer)
             complete = transformers_completer(folder, p.max_new_tokens)
             soft = p.label_source == "mc_soft"
             return dataset.map(lambda row: {"labels": monte_carlo_step_labels(
@@ -225,9 +232,6 @@ class PRM(Plugin):
     def _judge_labels(self, dataset):
         """``labels`` of every row from the judge (see :func:`steps.judge_step_labels`); the counts of verdicts,
         unparsable verdicts and failed requests are kept in ``self.judge_stats`` and logged."""
-        import tempfile
-        from pathlib import Path
-
         from trl_ext_plugins.rewards import judging
         from trl_ext_plugins.rewards.llm_judge import make_backend
         from trl_ext_plugins.rewards.steps import STEP_JUDGE_TEMPLATE, judge_step_labels
@@ -236,7 +240,7 @@ class PRM(Plugin):
         if j is None or self._judge_errors():
             raise ValueError("; ".join(self._judge_errors()))
         if j.path is not None:
-            j = j.model_copy(update={"path": resolve_ref(j.path, Path(tempfile.mkdtemp(prefix="prm-judge-")))})
+            j = j.model_copy(update={"path": _local_model(j.path)})
         backend = make_backend(j)
         stats = self.judge_stats = judging.JudgeStats(f"{self.name}/judge")
         stats.start()
