@@ -52,6 +52,12 @@ def test_clipped_value_loss_gradient_masks_and_clip_region():
     values = t([[1.0]]).requires_grad_()  # clipped branch wins (V_old=-2): its gradient w.r.t. V is 0
     adv.clipped_value_loss(values, t([[-2.0]]), t([[2.5]]), t([[1.0]]), 0.5).backward()
     assert values.grad.item() == 0.0
+    # a non-finite value, old value or return at a padded token changes neither the loss nor the other gradients
+    nan, inf = float("nan"), float("inf")
+    values = t([[1.0, 0.0, nan]]).requires_grad_()
+    loss = adv.clipped_value_loss(values, t([[0.0, 0.0, inf]]), t([[0.2, 1.0, nan]]), t([[1.0, 1.0, 0.0]]), 0.5)
+    loss.backward()
+    assert torch.isclose(loss, t(0.5 * (0.64 + 1.0) / 2)) and torch.equal(values.grad, t([[0.4, -0.5, 0.0]]))
 
 
 def test_explained_variance():

@@ -290,8 +290,11 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
                        clip: float | None = None, coef: float = 0.5) -> torch.Tensor:
     """``coef * mean_t max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)`` over valid tokens (default
     ``coef`` 0.5: verl/OpenRLHF's factor 1/2; token mean of this batch). ``clip=None``: the plain
-    ``coef * (V - R)^2``. Tokens off the mask are left out with ``where``."""
+    ``coef * (V - R)^2``. Tokens off the mask are left out with ``where``, inputs included: a non-finite value at a
+    padded token would otherwise turn the gradient NaN (``where``'s backward multiplies it by 0)."""
     valid = mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    values, old_values, returns = (torch.where(valid, x, zero) for x in (values, old_values, returns))
     loss = (values - returns) ** 2
     if clip is not None:
         clipped = old_values + (values - old_values).clamp(-clip, clip)

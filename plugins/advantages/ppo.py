@@ -180,7 +180,8 @@ class PPO(RewardKLHooks, Plugin):
         critic_inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         self.critic.eval()
         with torch.no_grad():
-            old_values = self.critic(*critic_inputs).float() * mask
+            old_values = self.critic(*critic_inputs).float()
+            old_values = torch.where(mask.bool(), old_values, torch.zeros_like(old_values))
         per_token = self.token_level_rewards(rewards, batch, mask)
         advantages, _ = gae(per_token, old_values, mask, p.gamma, self.policy_lambda(mask))
         lam_critic = p.lam if p.lam_critic is None else p.lam_critic
