@@ -168,6 +168,23 @@ def test_warm_up_conversations_render_the_tool_calls_grpo_parses():
     assert rows[3]["completion"][0]["content"] == rows[3]["answer"]
 
 
+def test_warm_up_arithmetic_rows_take_their_own_operand_range():
+    """``arithmetic_max_operand`` widens the tool-free rows (the embedded task's train split at that range) without
+    touching the calculator problems; by default they share the calculator's ``max_operand``."""
+    from trl_ext.embedded.arithmetic import arithmetic_dataset
+
+    def plain(rows):
+        return [(r["prompt"][0]["content"], r["answer"]) for r in rows if r["tools"] is None]
+
+    narrow = calc_tool_prompts("train", format="prompt_completion", size=3, arithmetic_rows=40)
+    wide = calc_tool_prompts("train", format="prompt_completion", size=3, arithmetic_rows=40, arithmetic_max_operand=50)
+    assert narrow.to_list()[:3] == wide.to_list()[:3]
+    for rows, max_operand in ((narrow, 20), (wide, 50)):
+        want = arithmetic_dataset("train", format="prompt", max_operand=max_operand, size=40)
+        assert plain(rows) == list(zip(want["prompt"], want["answer"], strict=True))
+    assert max(int(n) for p, _ in plain(wide) for n in p.rstrip("=").split("+")) >= 20
+
+
 def test_schema_free_warm_up_rows_are_the_same_conversations_without_tool_schemas():
     """``schema: false``: same problems and expert turns, ``tools`` empty, so the rendered prompt is the short chat
     prompt (no schema text) while the tool-call turns render exactly as in the schema rows."""

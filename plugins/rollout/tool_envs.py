@@ -113,7 +113,7 @@ def environment_tools(cls: type) -> list[str]:
 
 def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 0, size: int = 64,
                       max_operand: int = 20, arithmetic_rows: int = 0, calls: int = 2,
-                      schema: bool = True) -> Dataset:
+                      schema: bool = True, arithmetic_max_operand: int | None = None) -> Dataset:
     """The calculator task for :class:`CalculatorEnv`. ``format: prompt`` (GRPO): ``prompt`` (``"(12+34)*2?"``) and
     the gold ``answer``. ``format: prompt_completion`` (an SFT warm-up with a tool-calling chat template): the
     ``prompt`` as one user message, the expert ``completion`` as messages (an assistant tool call per operation with
@@ -158,7 +158,8 @@ def calc_tool_prompts(split: str = "train", format: str = "prompt", seed: int = 
             raise ValueError("arithmetic_rows needs format 'prompt_completion'")
         from trl_ext.embedded.arithmetic import arithmetic_dataset
 
-        plain = arithmetic_dataset(split, format="prompt", seed=seed, max_operand=max_operand, size=arithmetic_rows)
+        plain = arithmetic_dataset(split, format="prompt", seed=seed, size=arithmetic_rows,
+                                   max_operand=arithmetic_max_operand or max_operand)
         rows += [{"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": a}],
                   "tools": None, "answer": a} for p, a in zip(plain["prompt"], plain["answer"], strict=True)]
     return Dataset.from_list(rows)
