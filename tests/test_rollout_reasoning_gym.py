@@ -12,7 +12,12 @@ pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not inst
 from trl_ext.recipe import StageSpec  # noqa: E402
 from trl_ext.runner import RunContext, _CURRENT_RUN, load_split  # noqa: E402
 from trl_ext_plugins.rollout.multi_env import MultiEnv  # noqa: E402
-from trl_ext_plugins.rollout.reasoning_gym_env import ReasoningGymScore, reasoning_gym_dataset  # noqa: E402
+from trl_ext_plugins.rollout.reasoning_gym_env import (  # noqa: E402
+    ReasoningGymScore,
+    _split_entries,
+    question_split,
+    reasoning_gym_dataset,
+)
 
 
 def test_dataset_rows_and_splits():
@@ -21,8 +26,30 @@ def test_dataset_rows_and_splits():
     assert set(train.column_names) == {"prompt", "answer", "rg_entry"}
     entry = json.loads(train[0]["rg_entry"])
     assert train[0]["prompt"] == entry["question"] + "\nAnswer: " and train[0]["answer"] == str(entry["answer"])
-    assert train["prompt"] != test["prompt"]  # different seeds
     assert reasoning_gym_dataset("train", task="basic_arithmetic", size=4, seed=0)["prompt"] == train["prompt"]
+
+
+def test_held_out_questions_never_appear_in_training():
+    """Splits by question hash: disjoint whatever the sizes (splitting by seed put all 64 test problems of this config
+    in the 512-row train split), distinct within a split, and a split's first rows do not depend on its size."""
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    train = reasoning_gym_dataset("train", size=512, config=config)
+    test = reasoning_gym_dataset("test", size=64, config=config)
+    assert len(set(train["prompt"])) == 512 and len(set(test["prompt"])) == 64
+    assert not set(train["prompt"]) & set(test["prompt"])
+    assert {question_split(json.loads(e)["question"]) for e in test["rg_entry"]} == {"test"}
+    assert reasoning_gym_dataset("test", size=8, config=config)["prompt"] == test["prompt"][:8]
+    warm = reasoning_gym_dataset("train", size=4, config=config, format="prompt_completion")
+    assert warm["completion"] == warm["answer"] == train["answer"][:4]
+
+
+def test_an_exhausted_family_is_refused_with_its_count():
+    questions = [f"q{i}" for i in range(40)]
+    held_out = sum(question_split(q) == "test" for q in questions)
+    entries = _split_entries(lambda n: [{"question": questions[i % 40]} for i in range(n)], "test", held_out, "t")
+    assert [e["question"] for e in entries] == [q for q in questions if question_split(q) == "test"]
+    with pytest.raises(ValueError, match=f"only {held_out} distinct test questions .* {held_out + 1} asked"):
+        _split_entries(lambda n: [{"question": questions[i % 40]} for i in range(n)], "test", held_out + 1, "t")
 
 
 def test_family_verifier_as_reward():

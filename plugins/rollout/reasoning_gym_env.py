@@ -3,13 +3,18 @@
 reasoning-gym (``pip install 'trl-ext[reasoning-gym]'``) generates procedural tasks offline and deterministically from
 a seed, each family with its own answer checker. The dataset ``embedded:reasoning_gym`` (params ``task``, ``size``,
 ``seed``, ``config``: the family's own options) has columns ``prompt`` (the question, plus ``prompt_suffix``),
-``answer`` and ``rg_entry`` (the entry as JSON, for its checker); the train and test splits use different seeds
-(``seed`` and ``seed + 1``). The reward plugin ``reasoning_gym`` scores a completion with the family's
+``answer`` and ``rg_entry`` (the entry as JSON, for its checker); ``format: prompt_completion`` adds the answer as
+``completion``, for an SFT warm-up on the family's format. A problem's split is decided by a hash of its question (one
+in five goes to ``test``), so held-out problems never appear in training, whatever the sizes and seeds; each split
+holds distinct questions, in the order the family generates them from ``seed``. (Splitting by seed, ``seed`` and
+``seed + 1``, as earlier versions did, put every test problem of ``basic_arithmetic`` in the train split: the family
+draws item ``i`` from ``seed + i``.) The reward plugin ``reasoning_gym`` scores a completion with the family's
 ``score_answer`` (partial credit where the family gives it); use one per ``multi_env`` environment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -17,6 +22,9 @@ from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
+
+# One question in TEST_SHARE is held out.
+TEST_SHARE = 5
 
 
 def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", size: int = 256, seed: int = 0,
@@ -31,11 +39,39 @@ def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", 
                           "'trl-ext[reasoning-gym]'") from None
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if format != "prompt":
-        raise ValueError(f"reasoning_gym tasks have format 'prompt' only, got {format!r}")
-    data = reasoning_gym.create_dataset(task, size=size, seed=seed + (split == "test"), **(config or {}))
-    return Dataset.from_list([{"prompt": entry["question"] + prompt_suffix, "answer": str(entry["answer"]),
-                               "rg_entry": json.dumps(entry, default=str)} for entry in data])
+    if format not in ("prompt", "prompt_completion"):
+        raise ValueError(f"reasoning_gym tasks have format 'prompt' or 'prompt_completion', got {format!r}")
+    entries = _split_entries(lambda n: reasoning_gym.create_dataset(task, size=n, seed=seed, **(config or {})),
+                             split, size, task)
+    rows = [{"prompt": entry["question"] + prompt_suffix, "answer": str(entry["answer"]),
+             "rg_entry": json.dumps(entry, default=str)} for entry in entries]
+    if format == "prompt_completion":  # TRL's SFT appends the tokenizer's eos to the completion
+        rows = [{**row, "completion": row["answer"]} for row in rows]
+    return Dataset.from_list(rows)
+
+
+def question_split(question: str) -> str:
+    """``"test"`` for one question in five, ``"train"`` for the rest: a fixed hash of the text, not of the seed."""
+    return "test" if hashlib.sha256(question.encode("utf-8")).digest()[0] % TEST_SHARE == 0 else "train"
+
+
+def _split_entries(generate, split: str, size: int, task: str) -> list[dict]:
+    """The first ``size`` distinct questions of ``split`` among the family's entries, generating four times more
+    until found; an error once four times more entries bring no new question (the family's space is exhausted)."""
+    drawn, found = size * TEST_SHARE + 64, -1
+    while True:
+        entries, seen = [], set()
+        for entry in generate(drawn):
+            question = entry["question"]
+            if question not in seen and question_split(question) == split:
+                seen.add(question)
+                entries.append(entry)
+                if len(entries) == size:
+                    return entries
+        if len(entries) == found:
+            raise ValueError(f"reasoning_gym task {task!r}: only {found} distinct {split} questions among {drawn} "
+                             f"generated, {size} asked; lower size or widen the task's config")
+        drawn, found = drawn * 4, len(entries)
 
 
 class ReasoningGymParams(PluginParams):
