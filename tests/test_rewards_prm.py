@@ -58,6 +58,16 @@ def test_math_shepherd_mc_labels_with_a_scripted_completer():
     assert monte_carlo_step_labels("", ["2+4=6"], "6", completer, 8) == [1.0]
 
 
+def test_embedded_stepwise_held_out_problems_are_never_drawn_for_training():
+    """Split by the problem's hash: with seeded streams alone, 10 of the 256 default test problems were in train."""
+    from trl_ext.embedded.splits import hash_split
+
+    train, test = multistep_arithmetic("train", size=2048), multistep_arithmetic("test", size=256)
+    assert not set(train["prompt"]) & set(test["prompt"])
+    assert {hash_split(p.rstrip("=\n")) for p in test["prompt"]} == {"test"}
+    assert multistep_arithmetic("test", size=16)["prompt"] == test["prompt"][:16]
+
+
 def test_embedded_stepwise_data_labels_match_the_arithmetic():
     data = multistep_arithmetic("train", size=64)
     for row in data:

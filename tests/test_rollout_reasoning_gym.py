@@ -9,13 +9,13 @@ import pytest
 
 pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed (pip install 'trl-ext[reasoning-gym]')")
 
+from trl_ext.embedded.splits import hash_split  # noqa: E402
 from trl_ext.recipe import StageSpec  # noqa: E402
 from trl_ext.runner import RunContext, _CURRENT_RUN, load_split  # noqa: E402
 from trl_ext_plugins.rollout.multi_env import MultiEnv  # noqa: E402
 from trl_ext_plugins.rollout.reasoning_gym_env import (  # noqa: E402
     ReasoningGymScore,
     _split_entries,
-    question_split,
     reasoning_gym_dataset,
 )
 
@@ -37,7 +37,7 @@ def test_held_out_questions_never_appear_in_training():
     test = reasoning_gym_dataset("test", size=64, config=config)
     assert len(set(train["prompt"])) == 512 and len(set(test["prompt"])) == 64
     assert not set(train["prompt"]) & set(test["prompt"])
-    assert {question_split(json.loads(e)["question"]) for e in test["rg_entry"]} == {"test"}
+    assert {hash_split(json.loads(e)["question"]) for e in test["rg_entry"]} == {"test"}
     assert reasoning_gym_dataset("test", size=8, config=config)["prompt"] == test["prompt"][:8]
     warm = reasoning_gym_dataset("train", size=4, config=config, format="prompt_completion")
     assert warm["completion"] == warm["answer"] == train["answer"][:4]
@@ -45,9 +45,9 @@ def test_held_out_questions_never_appear_in_training():
 
 def test_an_exhausted_family_is_refused_with_its_count():
     questions = [f"q{i}" for i in range(40)]
-    held_out = sum(question_split(q) == "test" for q in questions)
+    held_out = sum(hash_split(q) == "test" for q in questions)
     entries = _split_entries(lambda n: [{"question": questions[i % 40]} for i in range(n)], "test", held_out, "t")
-    assert [e["question"] for e in entries] == [q for q in questions if question_split(q) == "test"]
+    assert [e["question"] for e in entries] == [q for q in questions if hash_split(q) == "test"]
     with pytest.raises(ValueError, match=f"only {held_out} distinct test questions .* {held_out + 1} asked"):
         _split_entries(lambda n: [{"question": questions[i % 40]} for i in range(n)], "test", held_out + 1, "t")
 

@@ -26,14 +26,23 @@ def multistep_arithmetic(split: str = "train", size: int = 256, seed: int = 0, t
     With probability ``error_rate`` one step (uniform) gets a wrong sum (off by 1, 2 or 10); later steps compute
     correctly from the wrong value. Labels: 1 for steps before the error, 0 from it on (no later step can reach the
     gold answer, which is also the Math-Shepherd hard label). ``format="prompt"`` keeps ``prompt`` and ``answer`` (for
-    GRPO). Train and test use disjoint seeds.
+    GRPO). A problem's split is a hash of its text (one in five held out), so no test problem is ever drawn for
+    training; each split's stream is seeded with ``seed`` and the split's name.
     """
+    from trl_ext.embedded.splits import hash_split
+
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"{seed}:{split}")
     rows = []
     for _ in range(size):
-        operands = [rng.randrange(max_operand) for _ in range(terms)]
+        for _draw in range(1000):
+            operands = [rng.randrange(max_operand) for _ in range(terms)]
+            if hash_split("+".join(map(str, operands))) == split:
+                break
+        else:
+            raise ValueError(f"no {split} problem among 1000 draws of {terms} operands below {max_operand}; "
+                             "raise max_operand")
         wrong_at = rng.randrange(terms - 1) if rng.random() < error_rate else None
         steps, labels, value, ok = [], [], operands[0], True
         for i, b in enumerate(operands[1:]):

@@ -14,17 +14,14 @@ draws item ``i`` from ``seed + i``.) The reward plugin ``reasoning_gym`` scores 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext.embedded.splits import HASH_TEST_SHARE, hash_split
 from trl_ext.rewards import RewardFunction
-
-# One question in TEST_SHARE is held out.
-TEST_SHARE = 5
 
 
 def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", size: int = 256, seed: int = 0,
@@ -50,20 +47,15 @@ def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", 
     return Dataset.from_list(rows)
 
 
-def question_split(question: str) -> str:
-    """``"test"`` for one question in five, ``"train"`` for the rest: a fixed hash of the text, not of the seed."""
-    return "test" if hashlib.sha256(question.encode("utf-8")).digest()[0] % TEST_SHARE == 0 else "train"
-
-
 def _split_entries(generate, split: str, size: int, task: str) -> list[dict]:
     """The first ``size`` distinct questions of ``split`` among the family's entries, generating four times more
     until found; an error once four times more entries bring no new question (the family's space is exhausted)."""
-    drawn, found = size * TEST_SHARE + 64, -1
+    drawn, found = size * HASH_TEST_SHARE + 64, -1
     while True:
         entries, seen = [], set()
         for entry in generate(drawn):
             question = entry["question"]
-            if question not in seen and question_split(question) == split:
+            if question not in seen and hash_split(question) == split:
                 seen.add(question)
                 entries.append(entry)
                 if len(entries) == size:

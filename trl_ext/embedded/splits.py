@@ -1,7 +1,11 @@
 """How every embedded task splits its problems: one seeded shuffle, the test split first, and the first ``size``
 problems of a split on request. Held-out problems never appear in training, and the same arguments give the same rows."""
 
+import hashlib
 import random
+
+# One problem in HASH_TEST_SHARE is held out by hash_split.
+HASH_TEST_SHARE = 5
 
 
 def seeded_split(problems: list, split: str, seed: int, test_size: int) -> list:
@@ -21,3 +25,10 @@ def first_problems(problems: list, size: int | None, split: str) -> list:
     if size > len(problems):
         raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
     return problems[:size]
+
+
+def hash_split(problem: str) -> str:
+    """``"test"`` for one problem text in ``HASH_TEST_SHARE``, ``"train"`` for the rest: a fixed hash of the text, for
+    tasks drawn from a generator rather than enumerated (a held-out problem is never drawn for training, whatever the
+    seeds and sizes)."""
+    return "test" if hashlib.sha256(problem.encode("utf-8")).digest()[0] % HASH_TEST_SHARE == 0 else "train"
