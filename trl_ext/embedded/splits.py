@@ -1,5 +1,6 @@
-"""How every embedded task splits its problems: one seeded shuffle, the test split first, and the first ``size``
-problems of a split on request. Held-out problems never appear in training, and the same arguments give the same rows."""
+"""How every embedded task splits its problems: an enumerated task by one seeded shuffle (the test split first), a task
+drawn from a generator by a hash of each problem's text; the first ``size`` problems of a split on request. Held-out
+problems never appear in training, and the same arguments give the same rows."""
 
 import hashlib
 import random
