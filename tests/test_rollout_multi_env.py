@@ -199,3 +199,54 @@ def test_recipe_run_writes_per_environment_metrics_plot_and_heldout(tmp_path):
     assert all(evaluation[e]["before"]["n"] == 16 and evaluation[e]["after"]["n"] == 16 for e in evaluation)
     assert (stage_dir / "multi_env.png").stat().st_size > 0
     assert summary["stages"]["main"]["multi_env_eval"] == evaluation
+
+
+def _mixture(parts, split="train", seed=0):
+    return {"source": "embedded:mixture", "split": split, "params": {"parts": parts, "seed": seed}}
+
+
+def test_mixture_holds_every_part_row_once_in_a_seeded_order(catalog):
+    """``embedded:mixture`` (an SFT warm-up on every environment): each part's rows exactly once, its ``limit`` obeyed,
+    columns the union (``None`` where a part lacks one), the order a shuffle fixed by the seed."""
+    import trl_ext_plugins.rollout as rollout_family
+    from trl_ext.runner import load_split
+
+    catalog.add_source(rollout_family, source="rollout")
+    sums_part = {"source": "embedded:arithmetic", "params": arithmetic("+", 12)["params"], "limit": 5}  # no split
+    parts = [sums_part,
+             {"source": "embedded:arithmetic_proposals", "params": {"format": "prompt_completion", "size": 4}}]
+    stage = StageSpec(trainer="sft", model="m", dataset=_mixture(parts))
+    mixed = load_split(stage.dataset, catalog, stage, "train", None)
+    sums = load_split(StageSpec(trainer="sft", model="m", dataset=sums_part).dataset, catalog, stage, "train", None)
+    assert len(mixed) == 9 and set(mixed.column_names) == {"prompt", "answer", "completion"}
+    assert sorted(p for p, c in zip(mixed["prompt"], mixed["completion"]) if c is None) == sorted(sums["prompt"])
+    assert all((a is None) == (c is not None) for a, c in zip(mixed["answer"], mixed["completion"]))
+    again = load_split(stage.dataset, catalog, stage, "train", None)
+    reseeded = load_split(StageSpec(trainer="sft", model="m", dataset=_mixture(parts, seed=1)).dataset, catalog,
+                          stage, "train", None)
+    assert again["prompt"] == mixed["prompt"] and sorted(reseeded["prompt"]) == sorted(mixed["prompt"])
+    assert reseeded["prompt"] != mixed["prompt"]
+    held_out = load_split(StageSpec(trainer="sft", model="m", dataset=_mixture(parts[:1], split="test")).dataset,
+                          catalog, stage, "train", None)  # a part without its own split takes the mixture's
+    test_sums = load_split(StageSpec(trainer="sft", model="m", dataset=sums_part | {"split": "test"}).dataset,
+                           catalog, stage, "train", None)
+    assert sorted(held_out["prompt"]) == sorted(test_sums["prompt"])
+
+
+@pytest.mark.parametrize("parts, message", [
+    ([], "mixture: give its datasets as parts"),
+    (["embedded:arithmetic"], "mixture parts[0]: a dataset mapping"),
+    ([{"source": "embedded:arithmetc"}], "mixture parts[0].source: no embedded dataset 'arithmetc'. Did you mean: "
+                                         "arithmetic"),
+    ([{"sorce": "embedded:arithmetic"}], "parts[0].sorce: Extra inputs are not permitted"),
+    ([{"source": "embedded:arithmetic", "params": {"max_operand": 0}}], "mixture parts[0] (embedded:arithmetic): "),
+    ([arithmetic("+", 0)], "mixture parts[0] (embedded:arithmetic): no rows in split 'train'"),
+])
+def test_bad_mixture_is_refused_at_validation_naming_the_part(catalog, parts, message):
+    import trl_ext_plugins.rollout as rollout_family
+
+    catalog.add_source(rollout_family, source="rollout")
+    stage = StageSpec(trainer="sft", model="m", dataset=_mixture(parts), plugins=[])
+    with pytest.raises(RecipeError) as err:
+        resolve_stage(stage, 0, catalog)
+    assert "stages[0].dataset.params: " in str(err.value) and message in str(err.value)

@@ -89,3 +89,26 @@ def test_mixture_with_an_arithmetic_environment(trl_ext_catalog, register_plugin
         assert scores[legs] == 1.0 and all(s is None for i, s in enumerate(scores) if mixed["env"][i] == "add")
     finally:
         _CURRENT_RUN.reset(token)
+
+
+def test_warm_up_mixture_of_the_family_and_arithmetic(trl_ext_catalog, tmp_path):
+    """The SFT warm-up of configs/reasoning_gym.yaml: one dataset holding the family's rows and the addition rows,
+    every row with its completion, the family's rows with their entry."""
+    import trl_ext_plugins.rollout as rollout_family
+
+    trl_ext_catalog.add_source(rollout_family, source="rollout")
+    token = _CURRENT_RUN.set(RunContext(recipe=None, output_dir=tmp_path, catalog=trl_ext_catalog))
+    try:
+        family = {"source": "embedded:reasoning_gym",
+                  "params": {"task": "basic_arithmetic", "size": 6, "format": "prompt_completion",
+                             "config": {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"]}}}
+        sums = {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 3}
+        stage = StageSpec(trainer="sft", model="m", dataset={"source": "embedded:mixture",
+                                                             "params": {"parts": [family, sums]}})
+        mixed = load_split(stage.dataset, trl_ext_catalog, stage, "train", None)
+    finally:
+        _CURRENT_RUN.reset(token)
+    assert len(mixed) == 9 and all(mixed["completion"])
+    assert sum(entry is not None for entry in mixed["rg_entry"]) == 6
+    assert sorted(c for p, c in zip(mixed["prompt"], mixed["completion"]) if p.startswith("Calculate")) == \
+        sorted(reasoning_gym_dataset("train", **family["params"])["completion"])

@@ -98,6 +98,50 @@ def solve_sum(problem: str) -> str | None:
     return str(sum(int(x) for x in operands))
 
 
+def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed: int = 0) -> Dataset:
+    """Rows of several datasets in one, in a seeded shuffle: an SFT warm-up on every environment of a ``multi_env`` run
+    (one SFT stage reads one dataset; training on the environments one after another forgets the first).
+
+    Each part is a dataset as a recipe writes one (``source``, ``split``, ``params``, ``limit``); a part without
+    ``split`` takes the mixture's, so ``split: test`` of the mixture is every part's held-out split. Its ``limit``
+    sets how many of its rows the mixture takes. Columns are the union of the parts' columns; a row lacks (``None``)
+    those its part does not have, as in ``multi_env``'s mixture."""
+    from pydantic import ValidationError
+
+    from trl_ext.recipe import EMBEDDED_PREFIX, DatasetSpec, did_you_mean
+    from trl_ext_plugins.rollout.multi_env import _catalog, _load
+
+    if not parts:
+        raise ValueError("mixture: give its datasets as parts: [{source: ..., params: ...}, ...]")
+    catalog, loaded = _catalog(), []
+    for index, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise ValueError(f"mixture parts[{index}]: a dataset mapping (source, split, params, limit), got {part!r}")
+        try:
+            spec = DatasetSpec(**{"split": split, **part})
+        except ValidationError as exc:
+            problems = "; ".join(f"parts[{index}].{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"mixture {problems}") from None
+        name = spec.source.removeprefix(EMBEDDED_PREFIX)
+        if spec.source.startswith(EMBEDDED_PREFIX) and name not in catalog.datasets:
+            raise ValueError(f"mixture parts[{index}].source: no embedded dataset {name!r}."
+                             f"{did_you_mean(name, sorted(catalog.datasets))}")
+        try:
+            data = _load(spec, catalog, None)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"mixture parts[{index}] ({spec.source}): {exc}") from None
+        if len(data) == 0:
+            raise ValueError(f"mixture parts[{index}] ({spec.source}): no rows in split {spec.split!r}")
+        loaded.append(data)
+    columns = list(dict.fromkeys(c for data in loaded for c in data.column_names))
+    rows = [{c: row.get(c) for c in columns} for data in loaded for row in data]
+    random.Random(seed).shuffle(rows)
+    try:
+        return Dataset.from_list(rows)
+    except (TypeError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"mixture: the parts' columns do not share types ({exc})") from None
+
+
 def _calc_tool(*args, **kwargs) -> Dataset:
     from trl_ext_plugins.rollout.tool_task import calc_tool_trajectories
 
@@ -118,4 +162,4 @@ def _reasoning_gym(*args, **kwargs) -> Dataset:
 
 DATASETS = {"arithmetic_proposals": arithmetic_proposals, "arithmetic_chain": arithmetic_chain,
             "arithmetic_chain_proposals": arithmetic_chain_proposals, "calc_tool": _calc_tool,
-            "calc_tool_prompts": _calc_tool_prompts, "reasoning_gym": _reasoning_gym}
+            "calc_tool_prompts": _calc_tool_prompts, "reasoning_gym": _reasoning_gym, "mixture": dataset_mixture}
