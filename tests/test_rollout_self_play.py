@@ -293,16 +293,45 @@ def test_label_accuracy_of_majority_labels_is_measured_and_logged_once(monkeypat
     from datasets import Dataset
 
     rows, record = plugin._solver_rows(Dataset.from_list([{"prompt": p} for p in proposals]),
-                                       SimpleNamespace(model="unused"))
+                                       SimpleNamespace(model="unused", evaluation=None))
     assert [(r["prompt"], r["answer"]) for r in rows] == [("1+2=", "3"), ("2+2=", "5")]
-    assert record == {"self_play/generated": 3, "self_play/valid": 2, "self_play/kept": 2,
-                      "self_play/label_accuracy": 0.5}
+    assert record == {"self_play/generated": 3, "self_play/valid": 2, "self_play/held_out_dropped": 0,
+                      "self_play/kept": 2, "self_play/label_accuracy": 0.5}
 
     logged = []
     callback = _LogDatasetFigures(SimpleNamespace(_log_plugin_metrics=logged.append), record)
     for step in (1, 2, 3):
         callback.on_step_end(None, SimpleNamespace(global_step=step), None)
     assert logged == [record]
+
+
+def test_held_out_problems_are_never_trained_on(monkeypatch, tmp_path):
+    """A proposer can write a held-out problem (one in 12 of the embedded task's problems is held out): the solver
+    drops it before answering, whitespace aside, and counts it; with ``exclude_held_out: false`` it is kept."""
+    import json
+
+    from datasets import Dataset
+
+    from trl_ext.recipe import StageSpec
+    from trl_ext_plugins.preference import generation
+
+    proposals = {"1+": "2=", "2+": " 2 =", "3+": "3="}
+    monkeypatch.setattr(generation, "sample_completions",
+                        lambda model, tok, prompts, **kw: [[proposals[p]] for p in prompts])
+    monkeypatch.setattr(generation, "load_policy", lambda path: (None, None))
+    monkeypatch.setattr(generation, "resolve_model", lambda ref, name: ref)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in [("2+2=", "4"), ("7+1=", "8")]))
+    stage = StageSpec(trainer="grpo", model="unused", dataset={"source": "embedded:arithmetic_proposals"},
+                      evaluation={"dataset": {"source": str(held_out)}, "reward": "exact_match"})
+    table = {"1+2=": ["3"] * 6 + ["4"] * 4, "2+ 2 =": ["4"] * 6 + ["5"] * 4, "3+3=": ["6"] * 6 + ["5"] * 4}
+    for exclude, kept in ((True, ["1+2=", "3+3="]), (False, ["1+2=", "2+ 2 =", "3+3="])):
+        plugin = StandInSolver(SelfPlay.Params(role="solver", partner="unused", num_questions=3,
+                                               exclude_held_out=exclude))
+        plugin.table = table
+        rows, record = plugin._solver_rows(Dataset.from_list([{"prompt": p} for p in proposals]), stage)
+        assert [r["prompt"] for r in rows] == kept
+        assert record["self_play/valid"] == 3 and record["self_play/held_out_dropped"] == (1 if exclude else 0)
 
 
 @pytest.mark.slow

@@ -97,6 +97,10 @@ class SelfPlayParams(PluginParams):
     question_max_new_tokens: int = Field(6, ge=1, description="Tokens per generated problem (solver role).")
     answer_max_new_tokens: int = Field(6, ge=1, description="Tokens per solver answer.")
     seed: int = Field(0, description="Seed of the sampling RNG.")
+    exclude_held_out: bool = Field(True, description="Solver role: drop proposed problems that are prompts of the "
+                                                     "stage's held-out evaluation (evaluation.dataset; compared "
+                                                     "without whitespace) before they are answered, so the held-out "
+                                                     "score never counts a problem the solver trained on.")
 
     @model_validator(mode="after")
     def _patterns_compile(self):
@@ -167,9 +171,11 @@ class SelfPlay(Plugin):
     (one per dataset prompt, cycling), well-formed ones are answered m times by the stage's own (starting) solver, the
     label becomes the ``answer`` column (a binary reward such as ``exact_match`` then scores against it) and only
     problems with ``|p_hat - 1/2| <= delta`` (default 0.25, the paper's; ``band: [0.3, 0.8]`` gives the released
-    script's bounds) are kept; ``p_hat`` is added as a column. How the rows were
-    made (``self_play/generated``, ``valid``, ``kept`` and, for majority labels with a verifier,
-    ``label_accuracy``) is logged with step 1. Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1``
+    script's bounds) are kept; ``p_hat`` is added as a column. A proposed problem that is a prompt of the stage's
+    held-out evaluation (whitespace aside) is dropped before it is answered (``exclude_held_out``, on by default): the
+    proposer may write any problem, held-out ones included, and a solver trained on them would inflate its held-out
+    score, with verified labels above all. How the rows were made (``self_play/generated``, ``valid``,
+    ``held_out_dropped``, ``kept`` and, for majority labels with a verifier, ``label_accuracy``) is logged with step 1. Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1``
     (partner: stage:proposer_1), ``proposer_2`` (partner: stage:solver_1), ... in one recipe (configs/self_play.yaml).
 
     Labels, where the papers differ (``labels``):
@@ -359,15 +365,32 @@ class SelfPlay(Plugin):
         if not questions:
             raise ValueError(f"plugin {self.name!r}: the proposer {p.partner!r} wrote no well-formed problem in "
                              f"{p.num_questions} tries (question_pattern {p.question_pattern!r})")
+        well_formed = len(questions)
+        if p.exclude_held_out and stage.evaluation is not None:
+            held_out = held_out_problems(stage)
+            questions = [q for q in questions if _squeezed(q) not in held_out]
         solver, solver_tokenizer = load_policy(resolve_model(stage.model, self.name))
         answers = self.answers(solver, solver_tokenizer, questions, seed=p.seed + 1)
         rows = solver_rows(questions, self.votes(questions, answers), p.solver_band())
-        record = {"self_play/generated": len(prompts), "self_play/valid": len(questions), "self_play/kept": len(rows)}
+        record = {"self_play/generated": len(prompts), "self_play/valid": well_formed,
+                  "self_play/held_out_dropped": well_formed - len(questions), "self_play/kept": len(rows)}
         if p.labels == "majority" and p.verifier is not None and rows:
             # How often the pseudo-label is right (R-Zero measures it with an oracle); training does not see it.
             record["self_play/label_accuracy"] = sum(r["answer"] == self.verified_answer(r["prompt"])
                                                      for r in rows) / len(rows)
         return rows, record
+
+
+def _squeezed(text: str) -> str:
+    return "".join(text.split())
+
+
+def held_out_problems(stage) -> set[str]:
+    """The prompts of ``stage``'s held-out evaluation, whitespace removed (problems the solver must not train on)."""
+    from trl_ext_plugins.preference.generation import completion_text
+    from trl_ext_plugins.rollout.multi_env import _catalog, _load
+
+    return {_squeezed(completion_text(prompt)) for prompt in _load(stage.evaluation.dataset, _catalog(), stage)["prompt"]}
 
 
 class _LogDatasetFigures(TrainerCallback):
