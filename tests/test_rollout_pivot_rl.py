@@ -47,6 +47,25 @@ def test_tool_task_trajectory_and_turns():
         expert_turn_rows([messages, [{"role": "user", "content": "hi"}]])
 
 
+def test_held_out_calculator_problems_never_appear_in_training():
+    """configs/pivot_rl.yaml's splits: disjoint and distinct (one seed stream per split put 6 of its 64 held-out
+    problems among its 1024 training ones); the split of a problem is a hash of its text; an exhausted split is an
+    error with its count."""
+    from trl_ext.embedded.splits import hash_split
+
+    def questions(split, size):
+        rows = calc_tool_trajectories(split, size=size, max_operand=10)
+        return [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in rows]
+
+    train, test = questions("train", 1024), questions("test", 64)
+    assert len(set(train)) == 1024 and len(set(test)) == 64 and not set(train) & set(test)
+    assert {hash_split(q) for q in test} == {"test"} and questions("test", 8) == test[:8]
+    # max_operand 1: the 9 problems (0 o 0) o' 0, split by their hash into 8 train and 1 test
+    assert len(calc_tool_trajectories("train", size=8, max_operand=1)) == 8
+    with pytest.raises(ValueError, match="only 1 distinct test problems with max_operand=1, 2 asked"):
+        calc_tool_trajectories("test", size=2, max_operand=1)
+
+
 def test_trajectories_without_assistant_turns_are_refused_at_validation(trl_ext_catalog, register_plugin, tmp_path):
     register_plugin(PivotRL)
     path = tmp_path / "expert.jsonl"

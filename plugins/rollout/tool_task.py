@@ -16,6 +16,7 @@ import re
 
 from datasets import Dataset
 
+from trl_ext.embedded.splits import hash_split
 from trl_ext.embedded.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
 
 ROLE_TAGS = {"user": "U:", "assistant": "A:", "tool": "T:", "system": "S:"}
@@ -45,18 +46,17 @@ def calc_tool_trajectories(split: str = "train", format: str = "trajectory", see
     """Expert trajectories of the calculator task (``messages`` column); with ``format: turns`` one row per
     assistant turn (``prompt`` = the rendered state, ``completion`` = expert action + eos) for SFT; with ``format:
     states`` one row per assistant turn with ``prompt`` and ``expert_action`` (held-out evaluation of the
-    ``pivot_rl`` reward). The test split draws from a separate seed stream, so problems rarely coincide with train
-    ones."""
+    ``pivot_rl`` reward). Problems are distinct and drawn from one stream seeded by ``seed``; a problem's split is a
+    hash of its text (:func:`~trl_ext.embedded.splits.hash_split`), so no held-out problem is ever in training. (Two
+    seed streams, one per split, as earlier versions drew, put 6 of configs/pivot_rl.yaml's 64 held-out problems in
+    its 1024 training ones.)"""
     if format not in ("trajectory", "turns", "states"):
         raise ValueError(f"format must be 'trajectory', 'turns' or 'states', got {format!r}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    rng = random.Random(f"{seed}:{split}")
-    names = list(FUNCTIONS)
     rows = []
-    for _ in range(size):
-        messages = tool_trajectory(rng.randrange(max_operand), rng.choice(names), rng.randrange(max_operand),
-                                   rng.choice(names), rng.randrange(max_operand))
+    for a, first, b, second, c in _split_problems(split, seed, size, max_operand):
+        messages = tool_trajectory(a, first, b, second, c)
         if format == "trajectory":
             rows.append({"messages": messages})
         elif format == "turns":
@@ -64,6 +64,30 @@ def calc_tool_trajectories(split: str = "train", format: str = "trajectory", see
         else:
             rows += [{"prompt": prompt, "expert_action": action} for prompt, action in assistant_turns(messages)]
     return Dataset.from_list(rows)
+
+
+def _split_problems(split: str, seed: int, size: int, max_operand: int) -> list[tuple[int, str, int, str, int]]:
+    """The first ``size`` distinct problems of ``split`` in the stream seeded by ``seed``; an error naming how many
+    were found when the split runs out (the problem space is ``max_operand``**3 x 9)."""
+    if max_operand < 1:
+        raise ValueError(f"max_operand must be at least 1, got {max_operand}")
+    rng, names = random.Random(seed), list(FUNCTIONS)
+    space = max_operand ** 3 * len(names) ** 2
+    seen: set[tuple] = set()
+    problems = []
+    for _ in range(max(64 * size, 8 * space)):  # enough draws to meet every problem of a small space
+        if len(problems) == size:
+            return problems
+        problem = (rng.randrange(max_operand), rng.choice(names), rng.randrange(max_operand), rng.choice(names),
+                   rng.randrange(max_operand))
+        if problem not in seen:
+            seen.add(problem)
+            if hash_split(tool_trajectory(*problem)[0]["content"]) == split:
+                problems.append(problem)
+    if len(problems) < size:
+        raise ValueError(f"calc_tool: only {len(problems)} distinct {split} problems with max_operand={max_operand}, "
+                         f"{size} asked; lower size or raise max_operand")
+    return problems
 
 
 def render(messages: list[dict[str, str]]) -> str:
