@@ -128,7 +128,7 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
                              f"{did_you_mean(name, sorted(catalog.datasets))}")
         try:
             data = _load(spec, catalog, None)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, OSError) as exc:  # OSError: a missing file, a hub id offline
             raise ValueError(f"mixture parts[{index}] ({spec.source}): {exc}") from None
         if len(data) == 0:
             raise ValueError(f"mixture parts[{index}] ({spec.source}): no rows in split {spec.split!r}")
