@@ -321,7 +321,8 @@ def test_held_out_problems_are_never_trained_on(monkeypatch, tmp_path):
     monkeypatch.setattr(generation, "load_policy", lambda path: (None, None))
     monkeypatch.setattr(generation, "resolve_model", lambda ref, name: ref)
     held_out = tmp_path / "held_out.jsonl"
-    held_out.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in [("2+2=", "4"), ("7+1=", "8")]))
+    rows = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "7+1=", "answer": "8"}]
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     stage = StageSpec(trainer="grpo", model="unused", dataset={"source": "embedded:arithmetic_proposals"},
                       evaluation={"dataset": {"source": str(held_out)}, "reward": "exact_match"})
     table = {"1+2=": ["3"] * 6 + ["4"] * 4, "2+ 2 =": ["4"] * 6 + ["5"] * 4, "3+3=": ["6"] * 6 + ["5"] * 4}

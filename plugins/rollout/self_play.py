@@ -175,8 +175,9 @@ class SelfPlay(Plugin):
     held-out evaluation (whitespace aside) is dropped before it is answered (``exclude_held_out``, on by default): the
     proposer may write any problem, held-out ones included, and a solver trained on them would inflate its held-out
     score, with verified labels above all. How the rows were made (``self_play/generated``, ``valid``,
-    ``held_out_dropped``, ``kept`` and, for majority labels with a verifier, ``label_accuracy``) is logged with step 1. Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1``
-    (partner: stage:proposer_1), ``proposer_2`` (partner: stage:solver_1), ... in one recipe (configs/self_play.yaml).
+    ``held_out_dropped``, ``kept`` and, for majority labels with a verifier, ``label_accuracy``) is logged with step 1.
+    Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1`` (partner: stage:proposer_1),
+    ``proposer_2`` (partner: stage:solver_1), ... in one recipe (configs/self_play.yaml).
 
     Labels, where the papers differ (``labels``):
 
@@ -391,7 +392,8 @@ def held_out_problems(stage) -> set[str]:
     from trl_ext_plugins.preference.generation import completion_text
     from trl_ext_plugins.rollout.multi_env import _catalog, _load
 
-    return {_squeezed(completion_text(prompt)) for prompt in _load(stage.evaluation.dataset, _catalog(), stage)["prompt"]}
+    prompts = _load(stage.evaluation.dataset, _catalog(), stage)["prompt"]
+    return {_squeezed(completion_text(prompt)) for prompt in prompts}
 
 
 class _LogDatasetFigures(TrainerCallback):
