@@ -234,7 +234,9 @@ def test_mixture_holds_every_part_row_once_in_a_seeded_order(catalog):
 
 
 @pytest.mark.parametrize("parts, message", [
-    ([], "mixture: give its datasets as parts"),
+    ([], "mixture: give its datasets as a list"),
+    ({"source": "embedded:arithmetic"}, "mixture: give its datasets as a list, parts: [{source: ..., params: ...}, "
+                                        "...]; got {'source': 'embedded:arithmetic'}"),
     (["embedded:arithmetic"], "mixture parts[0]: a dataset mapping"),
     ([{"source": "embedded:arithmetc"}], "mixture parts[0].source: no embedded dataset 'arithmetc'. Did you mean: "
                                          "arithmetic"),

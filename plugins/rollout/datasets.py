@@ -111,8 +111,9 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
     from trl_ext.recipe import EMBEDDED_PREFIX, DatasetSpec, did_you_mean
     from trl_ext_plugins.rollout.multi_env import _catalog, _load
 
-    if not parts:
-        raise ValueError("mixture: give its datasets as parts: [{source: ..., params: ...}, ...]")
+    if not parts or not isinstance(parts, list):
+        raise ValueError(f"mixture: give its datasets as a list, parts: [{{source: ..., params: ...}}, ...]; "
+                         f"got {parts!r}")
     catalog, loaded = _catalog(), []
     for index, part in enumerate(parts):
         if not isinstance(part, dict):
