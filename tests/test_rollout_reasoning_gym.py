@@ -43,6 +43,16 @@ def test_held_out_questions_never_appear_in_training():
     assert warm["completion"] == warm["answer"] == train["answer"][:4]
 
 
+def test_skip_gives_the_questions_after_the_first_ones():
+    """An RL stage can take questions its SFT warm-up never saw: ``skip`` continues the split where ``size`` ended."""
+    config = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"]}
+    first = reasoning_gym_dataset("train", size=12, config=config)
+    later = reasoning_gym_dataset("train", size=5, skip=7, config=config)
+    assert later["prompt"] == first["prompt"][7:] and later["rg_entry"] == first["rg_entry"][7:]
+    with pytest.raises(ValueError, match="skip at least 0, got size=4, skip=-1"):
+        reasoning_gym_dataset("train", size=4, skip=-1, config=config)
+
+
 def test_an_exhausted_family_is_refused_with_its_count():
     questions = [f"q{i}" for i in range(40)]
     held_out = sum(hash_split(q) == "test" for q in questions)

@@ -4,7 +4,9 @@ reasoning-gym (``pip install 'trl-ext[reasoning-gym]'``) generates procedural ta
 a seed, each family with its own answer checker. The dataset ``embedded:reasoning_gym`` (params ``task``, ``size``,
 ``seed``, ``config``: the family's own options) has columns ``prompt`` (the question, plus ``prompt_suffix``),
 ``answer`` and ``rg_entry`` (the entry as JSON, for its checker); ``format: prompt_completion`` adds the answer as
-``completion``, for an SFT warm-up on the family's format. A problem's split is decided by a hash of its question (one
+``completion``, for an SFT warm-up on the family's format; ``skip`` leaves out the split's first questions, so an RL
+stage can train on questions its SFT warm-up never saw (a warm-up that memorised its rows leaves GRPO on the same rows
+nothing that carries to held-out questions). A problem's split is decided by a hash of its question (one
 in five goes to ``test``), so held-out problems never appear in training, whatever the sizes and seeds; each split
 holds distinct questions, in the order the family generates them from ``seed``. (Splitting by seed, ``seed`` and
 ``seed + 1``, as earlier versions did, put every test problem of ``basic_arithmetic`` in the train split: the family
@@ -25,8 +27,10 @@ from trl_ext.rewards import RewardFunction
 
 
 def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", size: int = 256, seed: int = 0,
-                          prompt_suffix: str = "\nAnswer: ", config: dict[str, Any] | None = None, format: str = "prompt"):
-    """Rows of a reasoning-gym task family (see the module docstring)."""
+                          prompt_suffix: str = "\nAnswer: ", config: dict[str, Any] | None = None, format: str = "prompt",
+                          skip: int = 0):
+    """Rows of a reasoning-gym task family (see the module docstring): the split's questions ``skip`` to
+    ``skip + size``."""
     from datasets import Dataset
 
     try:
@@ -38,8 +42,10 @@ def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", 
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if format not in ("prompt", "prompt_completion"):
         raise ValueError(f"reasoning_gym tasks have format 'prompt' or 'prompt_completion', got {format!r}")
+    if size < 1 or skip < 0:
+        raise ValueError(f"size must be at least 1 and skip at least 0, got size={size}, skip={skip}")
     entries = _split_entries(lambda n: reasoning_gym.create_dataset(task, size=n, seed=seed, **(config or {})),
-                             split, size, task)
+                             split, skip + size, task)[skip:]
     rows = [{"prompt": entry["question"] + prompt_suffix, "answer": str(entry["answer"]),
              "rg_entry": json.dumps(entry, default=str)} for entry in entries]
     if format == "prompt_completion":  # TRL's SFT appends the tokenizer's eos to the completion
