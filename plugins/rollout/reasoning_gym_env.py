@@ -27,8 +27,8 @@ from trl_ext.rewards import RewardFunction
 
 
 def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", size: int = 256, seed: int = 0,
-                          prompt_suffix: str = "\nAnswer: ", config: dict[str, Any] | None = None, format: str = "prompt",
-                          skip: int = 0):
+                          prompt_suffix: str = "\nAnswer: ", config: dict[str, Any] | None = None,
+                          format: str = "prompt", skip: int = 0):
     """Rows of a reasoning-gym task family (see the module docstring): the split's questions ``skip`` to
     ``skip + size``."""
     from datasets import Dataset
