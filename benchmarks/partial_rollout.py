@@ -26,6 +26,10 @@ seeds 0 and 1): rollout seconds per step 0.52 and 0.59 of TRL's (about 26 decodi
 batch trained per step, so 1.08 and 1.19 of TRL's rollout seconds per trained trajectory; the held-out curve matches
 once aligned by trajectories trained (seed 0: TRL 0.580 at 51.2k, partial 0.580 at 46.7k and 0.605 at 53.9k; seed 1:
 TRL 0.280 at 51.2k, partial 0.280 at 49.5k and at 56.2k) and lags when aligned by steps (seed 0: 0.495 at step 400).
+Re-run on the current warm-up (seed 0, held-out 0.495 after it): 0.47 of TRL's rollout seconds per step, 1.01 per
+trained trajectory, and the held-out curve trailed TRL's at equal trajectories (TRL 0.520 / 0.630 / 0.585 at 25.6k /
+38.4k / 51.2k; partial 0.450 at 24.4k, 0.515 at 38.1k, 0.555 at 52.6k). With short answers (no --long-tail, 800
+partial steps) it trailed too: seed 0 0.490 against 0.440, seed 1 0.245 against 0.205.
 Transformers generation decodes every row until the call ends, finished or not, so cutting decoding steps saves time
 per step but not per trained trajectory; engines that free a finished row's slot (vLLM) are where the saving is
 reported (APRIL), and the plugin does not drive them yet.
