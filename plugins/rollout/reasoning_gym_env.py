@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, hookimpl
-from trl_ext.embedded.splits import HASH_TEST_SHARE, hash_split
+from trl_ext.embedded.splits import HASH_TEST_SHARE, first_distinct_of_split
 from trl_ext.rewards import RewardFunction
 
 
@@ -58,14 +58,9 @@ def _split_entries(generate, split: str, size: int, task: str) -> list[dict]:
     until found; an error once four times more entries bring no new question (the family's space is exhausted)."""
     drawn, found = size * HASH_TEST_SHARE + 64, -1
     while True:
-        entries, seen = [], set()
-        for entry in generate(drawn):
-            question = entry["question"]
-            if question not in seen and hash_split(question) == split:
-                seen.add(question)
-                entries.append(entry)
-                if len(entries) == size:
-                    return entries
+        entries = first_distinct_of_split(generate(drawn), lambda entry: entry["question"], split, size)
+        if len(entries) == size:
+            return entries
         if len(entries) == found:
             raise ValueError(f"reasoning_gym task {task!r}: only {found} distinct {split} questions among {drawn} "
                              f"generated, {size} asked; lower size or widen the task's config")

@@ -16,7 +16,7 @@ import re
 
 from datasets import Dataset
 
-from trl_ext.embedded.splits import hash_split
+from trl_ext.embedded.splits import first_distinct_of_split
 from trl_ext.embedded.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
 
 ROLE_TAGS = {"user": "U:", "assistant": "A:", "tool": "T:", "system": "S:"}
@@ -73,17 +73,10 @@ def _split_problems(split: str, seed: int, size: int, max_operand: int) -> list[
         raise ValueError(f"max_operand must be at least 1, got {max_operand}")
     rng, names = random.Random(seed), list(FUNCTIONS)
     space = max_operand ** 3 * len(names) ** 2
-    seen: set[tuple] = set()
-    problems = []
-    for _ in range(max(64 * size, 8 * space)):  # enough draws to meet every problem of a small space
-        if len(problems) == size:
-            return problems
-        problem = (rng.randrange(max_operand), rng.choice(names), rng.randrange(max_operand), rng.choice(names),
-                   rng.randrange(max_operand))
-        if problem not in seen:
-            seen.add(problem)
-            if hash_split(tool_trajectory(*problem)[0]["content"]) == split:
-                problems.append(problem)
+    draws = ((rng.randrange(max_operand), rng.choice(names), rng.randrange(max_operand), rng.choice(names),
+              rng.randrange(max_operand))
+             for _ in range(max(64 * size, 8 * space)))  # enough draws to meet every problem of a small space
+    problems = first_distinct_of_split(draws, lambda problem: tool_trajectory(*problem)[0]["content"], split, size)
     if len(problems) < size:
         raise ValueError(f"calc_tool: only {len(problems)} distinct {split} problems with max_operand={max_operand}, "
                          f"{size} asked; lower size or raise max_operand")

@@ -4,6 +4,10 @@ problems never appear in training, and the same arguments give the same rows."""
 
 import hashlib
 import random
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # One problem in HASH_TEST_SHARE is held out by hash_split.
 HASH_TEST_SHARE = 5
@@ -33,3 +37,18 @@ def hash_split(problem: str) -> str:
     tasks drawn from a generator rather than enumerated (a held-out problem is never drawn for training, whatever the
     seeds and sizes)."""
     return "test" if hashlib.sha256(problem.encode("utf-8")).digest()[0] % HASH_TEST_SHARE == 0 else "train"
+
+
+def first_distinct_of_split(candidates: Iterable[T], text: Callable[[T], str], split: str, size: int) -> list[T]:
+    """The first ``size`` candidates of ``split`` (by :func:`hash_split` of their ``text``), each text once; fewer when
+    the candidates run out (the caller says what that means for its task)."""
+    chosen, seen = [], set()
+    for candidate in candidates:
+        if len(chosen) == size:
+            break
+        key = text(candidate)
+        if key not in seen:
+            seen.add(key)
+            if hash_split(key) == split:
+                chosen.append(candidate)
+    return chosen
