@@ -13,7 +13,8 @@ from trl_ext.embedded.arithmetic import arithmetic_dataset
 from trl_ext.errors import RecipeError
 from trl_ext.recipe import StageSpec
 from trl_ext.stage import resolve_stage
-from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
+from trl_ext_plugins.rollout.control_math import (finish_target, stale_token_mask, trained_group_rewards,
+                                                   versions_per_trajectory)
 from trl_ext_plugins.rollout.partial_rollout import STALE_KEY, PartialRollout, StopWhenEnoughFinished
 
 EOS = 99
@@ -42,6 +43,17 @@ def test_stop_rule_stops_in_the_step_the_12th_of_16_trajectories_finishes():
     # before the global stop, rows are stopped one by one (EOS or their own budget)
     stop = StopWhenEnoughFinished(prompt_width=0, budgets=[1, 3], eos_ids=[EOS], target=2)
     assert stop(torch.tensor([[7], [7]]), None).tolist() == [True, False]
+
+
+def test_trained_group_rewards_count_only_the_groups_that_train():
+    nan = float("nan")
+    rewards = [1, 0, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1,  nan, 1, 0, 0]
+    trained = [True] * 4 + [False] * 4 + [True] * 8
+    mean, zero_std = trained_group_rewards(rewards, trained, 4)
+    assert mean == pytest.approx(8 / 11)  # (3 + 4 + 1) over the 11 scorable rewards of groups 0, 2 and 3
+    assert zero_std == pytest.approx(1 / 3)  # group 2 agrees; the deferred all-zero group 1 does not count
+    assert trained_group_rewards([nan, nan], [True, True], 2) == pytest.approx((nan, nan), nan_ok=True)
+    assert trained_group_rewards([1, 0], [False, False], 2) == pytest.approx((nan, nan), nan_ok=True)
 
 
 @pytest.mark.parametrize("value", [0.0, -0.5, 1.5])
@@ -110,6 +122,7 @@ def test_stop_resume_byte_identical_prefixes_and_old_logprobs(tiny_trainer):
     # unfinished groups are out of this step's loss; complete groups are in
     groups_pending = len(plugin.buffer)
     assert record["partial_rollout/trained_fraction"] == (4 - groups_pending) / 4
+    assert (record["partial_rollout/trained_zero_std_fraction"] >= 0) == (groups_pending < 4)  # NaN when none trains
     assert int((lengths > 0).sum()) == 16 - 4 * groups_pending
     assert all(s.ids[-1] == eos or len(s.ids) == 12 for s in pending if s.finished)
     assert len(all_states) == 4 * groups_pending
@@ -135,6 +148,13 @@ def test_stop_resume_byte_identical_prefixes_and_old_logprobs(tiny_trainer):
         if was_finished:
             assert int(second["completion_mask"][row].sum()) == n  # finished members wait unchanged
     assert plugin.history[-1]["partial_rollout/resumed_trajectories"] == len(unfinished)
+    # the logged stale share counts the trained rows' tokens only (a fresh first round has none)
+    lengths = second["completion_mask"].sum(1)
+    trained = lengths > 0
+    assert record["partial_rollout/stale_token_fraction"] == 0.0
+    assert 0.0 < plugin.history[-1]["partial_rollout/stale_token_fraction"] < 1.0  # resumed groups trained
+    assert plugin.history[-1]["partial_rollout/stale_token_fraction"] == pytest.approx(
+        float(stale[trained].sum() / lengths[trained].sum()))
 
     # mask_offpolicy: the stale segment has zero loss weight
     li = _loss_inputs(second)

@@ -14,7 +14,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
 
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
 from trl_ext.batches import TokenWeights
-from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
+from trl_ext_plugins.rollout.control_math import (finish_target, stale_token_mask, trained_group_rewards,
+                                                   versions_per_trajectory)
 from trl_ext_plugins.rollout.rollout_logprobs import generate_single_turns_with, recording_logprobs
 
 STALE_KEY = "partial_rollout_stale"  # RolloutBatch.loss_extras key: 1.0 on tokens of an older policy version
@@ -117,8 +118,11 @@ class PartialRollout(Plugin):
     Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
     ``partial_rollout/versions_per_trajectory`` (mean distinct policy versions per trained trajectory),
-    ``partial_rollout/staleness_max`` (current step minus the oldest version of a trained token) and
-    ``partial_rollout/generation_steps`` (decoding steps of this call).
+    ``partial_rollout/staleness_max`` (current step minus the oldest version of a trained token),
+    ``partial_rollout/generation_steps`` (decoding steps of this call), ``partial_rollout/stale_token_fraction`` (share
+    of the trained tokens that an older policy version sampled), and ``partial_rollout/trained_reward_mean`` and
+    ``partial_rollout/trained_zero_std_fraction`` (the reward and the share of all-agreeing groups among the groups
+    that train; TRL's ``reward`` and ``frac_reward_zero_std`` also count deferred groups, scored on unfinished text).
     """
 
     name = "partial_rollout"
@@ -134,6 +138,8 @@ class PartialRollout(Plugin):
         self._plan: list[Trajectory | None] | None = None  # this round's slots: resumed trajectory or None (fresh)
         self._states: list[Trajectory] | None = None  # this round's trajectories after generation
         self._last_steps = 0  # decoding steps of the last generation call (logged)
+        self._trained_rewards = (float("nan"), float("nan"))  # this round's trained groups: mean reward, zero-std share
+        self._trained_tokens = (0, 0)  # this rank's trained tokens this round: (sampled by an older version, all)
         self.history: list[dict[str, float]] = []
 
     # -- validation -------------------------------------------------------------------------------------------------
@@ -158,6 +164,7 @@ class PartialRollout(Plugin):
         self._plan = [copy.deepcopy(s) for group in resumed for s in group.samples]
         self._plan += [None] * (len(inputs) - len(self._plan))
         resumed_trajectories = sum(not s.finished for group in resumed for s in group.samples)
+        self._trained_rewards, self._trained_tokens = (float("nan"), float("nan")), (0, 0)
         try:
             output, _keep = score(rows)
         finally:
@@ -180,7 +187,8 @@ class PartialRollout(Plugin):
         versions = [s.versions for s in trained if s.versions]
         local = torch.tensor([len(self.buffer), resumed_trajectories, len(trained), len(states),
                               sum(versions_per_trajectory(versions)), len(versions),
-                              max((step - min(v) for v in versions), default=0), self._last_steps],
+                              max((step - min(v) for v in versions), default=0), self._last_steps,
+                              *self._trained_tokens],
                              dtype=torch.float64, device=trainer.accelerator.device)
         ranks = trainer.accelerator.gather(local).view(-1, local.numel()).cpu()
         total, top = ranks.sum(0).tolist(), ranks.max(0).values.tolist()
@@ -191,6 +199,9 @@ class PartialRollout(Plugin):
             "partial_rollout/versions_per_trajectory": total[4] / total[5] if total[5] else 1.0,
             "partial_rollout/staleness_max": int(top[6]),
             "partial_rollout/generation_steps": int(top[7]),
+            "partial_rollout/stale_token_fraction": total[8] / total[9] if total[9] else 0.0,
+            "partial_rollout/trained_reward_mean": self._trained_rewards[0],
+            "partial_rollout/trained_zero_std_fraction": self._trained_rewards[1],
         }
 
     # -- generation -------------------------------------------------------------------------------------------------
@@ -270,8 +281,13 @@ class PartialRollout(Plugin):
         for row, s in enumerate(states):
             marks = stale_token_mask(s.versions, trainer.state.global_step)
             stale[row, : len(marks)] = torch.tensor(marks, dtype=torch.float32)
+        trained_rows = [s for g in range(0, len(states), G) if complete[g // G] for s in states[g:g + G]]
+        self._trained_tokens = (sum(sum(stale_token_mask(s.versions, trainer.state.global_step)) for s in trained_rows),
+                                sum(len(s.ids) for s in trained_rows))
         batch.loss_extras[STALE_KEY] = stale
-        return trainer.accelerator.gather(local)
+        keep = trainer.accelerator.gather(local)
+        self._trained_rewards = trained_group_rewards(rewards.tolist(), keep.tolist(), G)
+        return keep
 
     @hookimpl
     def trl_ext_token_weights(self, inputs):
