@@ -70,6 +70,19 @@ def test_family_verifier_as_reward():
                      rg_entry=[rows[0]["rg_entry"], rows[1]["rg_entry"], None]) == [1.0, 0.0, None]
 
 
+def test_credit_full_takes_away_the_substring_credit_of_the_family_scorer():
+    rows = reasoning_gym_dataset("train", task="basic_arithmetic", size=1, seed=0)
+    answer, entry = rows[0]["answer"], rows[0]["rg_entry"]
+    padded, repeated = answer + "2", answer + answer  # wrong answers that contain the right one
+    completions = [answer, padded, repeated, str(int(answer) + 1)]
+    (family,) = ReasoningGymScore().trl_ext_reward_functions(stage=None)
+    # reasoning-gym's base scorer: len(answer) / len(completion) where the answer is a substring
+    assert family.fn(completions=completions, rg_entry=[entry] * 4) == pytest.approx(
+        [1.0, len(answer) / (len(answer) + 1), 0.5, 0.0])
+    (full,) = ReasoningGymScore(ReasoningGymScore.Params(credit="full")).trl_ext_reward_functions(stage=None)
+    assert full.fn(completions=completions, rg_entry=[entry] * 4) == [1.0, 0.0, 0.0, 0.0]
+
+
 def test_mixture_with_an_arithmetic_environment(trl_ext_catalog, register_plugin, tmp_path):
     from trl_ext_plugins.rewards.exact_match import ExactMatch
 

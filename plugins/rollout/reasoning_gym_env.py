@@ -17,7 +17,7 @@ draws item ``i`` from ``seed + i``.) The reward plugin ``reasoning_gym`` scores 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -70,6 +70,9 @@ def _split_entries(generate, split: str, size: int, task: str) -> list[dict]:
 class ReasoningGymParams(PluginParams):
     weight: float = Field(1.0, description="weight of this reward in the weighted sum of reward functions")
     entry_column: str = Field("rg_entry", description="dataset column holding the reasoning-gym entry (JSON)")
+    credit: Literal["family", "full"] = Field(
+        "family", description="family: the family's score_answer as it is, partial credit included; full: 1 where "
+        "the family gives full credit, else 0 (no credit a wrong answer can earn; see the plugin docstring)")
 
 
 class ReasoningGymScore(Plugin):
@@ -79,6 +82,13 @@ class ReasoningGymScore(Plugin):
     Each row's entry (``rg_entry``, written by ``embedded:reasoning_gym``) names its family
     (``metadata.source_dataset``); the family's ``score_answer(answer, entry)`` scores the completion's first line
     (stripped), in [0, 1]. Rows without an entry get ``None`` (the reward does not apply).
+
+    Convention chosen (``credit``): ``family`` (the default) keeps reasoning-gym's own scores, partial credit included.
+    Many families (``basic_arithmetic`` among them) inherit the base scorer, which gives ``len(answer) /
+    len(completion)`` to any completion that contains the answer as a substring: for the answer ``151``, the wrong
+    ``1512`` earns 0.75 and ``151151`` 0.5, so a policy collects reward for padding or repeating candidates.
+    ``credit: full`` scores 1 only where the family gives full credit and 0 otherwise, for tasks where a near-miss
+    should earn nothing (configs/reasoning_gym.yaml uses it).
     """
 
     name = "reasoning_gym"
@@ -89,7 +99,7 @@ class ReasoningGymScore(Plugin):
 
     @hookimpl
     def trl_ext_reward_functions(self, stage):
-        column = self.params.entry_column
+        column, full_only = self.params.entry_column, self.params.credit == "full"
 
         def reasoning_gym(completions, **kwargs):
             from reasoning_gym import get_score_answer_fn
@@ -103,8 +113,8 @@ class ReasoningGymScore(Plugin):
                     continue
                 entry = json.loads(raw)
                 answer = completion_text(completion).replace("<eos>", "").strip().split("\n")[0].strip()
-                score = get_score_answer_fn(entry["metadata"]["source_dataset"])
-                scores.append(float(score(answer=answer, entry=entry)))
+                score = float(get_score_answer_fn(entry["metadata"]["source_dataset"])(answer=answer, entry=entry))
+                scores.append(float(score >= 1.0) if full_only else score)
             return scores
 
         return [RewardFunction(self.name, reasoning_gym, self.params.weight)]
