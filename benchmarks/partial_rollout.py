@@ -19,17 +19,22 @@ train reward every 50 steps, the held-out greedy accuracy after the warm-up and 
 time, its rollout seconds per step (time inside the trainer's generation, timed here) and per trained trajectory, each
 with its ratio to the run without the plugin. ``--eval-every N`` keeps a checkpoint every N steps and prints the
 held-out curve with the trajectories trained by each point, so runs that train different numbers per step compare.
+``--grpo-seeds S ...`` runs every GRPO configuration once per seed from the one warm-up and prints each one's mean and
+spread; ``--half-batch`` adds TRL at half the batch for ``--partial-steps`` steps (the batch the plugin trains per
+step); ``--mask-offpolicy`` turns on the plugin's ``mask_offpolicy``.
 ``--long-tail FRACTION`` makes the length distribution long-tailed: the warm-up learns answers of which FRACTION carry a
 verbose tail of up to 48 tokens (the embedded task's ``tail_fraction``; exact_match ignores it) and the completion cap
-rises to 64. Measured (``--held-out 400 --partial-steps 1000 --fractions 0.75 --long-tail 0.1 --eval-every 100``,
-seeds 0 and 1): rollout seconds per step 0.52 and 0.59 of TRL's (about 26 decoding steps against 64), about half the
-batch trained per step, so 1.08 and 1.19 of TRL's rollout seconds per trained trajectory; the held-out curve matches
-once aligned by trajectories trained (seed 0: TRL 0.580 at 51.2k, partial 0.580 at 46.7k and 0.605 at 53.9k; seed 1:
-TRL 0.280 at 51.2k, partial 0.280 at 49.5k and at 56.2k) and lags when aligned by steps (seed 0: 0.495 at step 400).
-Re-run on the current warm-up (seed 0, held-out 0.495 after it): 0.47 of TRL's rollout seconds per step, 1.01 per
-trained trajectory, and the held-out curve trailed TRL's at equal trajectories (TRL 0.520 / 0.630 / 0.585 at 25.6k /
-38.4k / 51.2k; partial 0.450 at 24.4k, 0.515 at 38.1k, 0.555 at 52.6k). With short answers (no --long-tail, 800
-partial steps) it trailed too: seed 0 0.490 against 0.440, seed 1 0.245 against 0.205.
+rises to 64.
+Measured (2-core CPU, transformers 5.25; the plugin docstring has the table):
+- ``--held-out 400 --partial-steps 800 --grpo-seeds 0 1 2 --half-batch`` (warm-up 0.415): TRL 0.508 (sd 0.024), TRL
+  at batch 64 0.498 (sd 0.003), lambda 0.75 + tis 0.440 (sd 0.035); with ``--mask-offpolicy`` 0.268; ``--fractions
+  1.0`` (400 steps) 0.505; ``--fractions 0.9 --partial-steps 528`` 0.538.
+- ``--held-out 400 --partial-steps 1000 --fractions 0.75 --long-tail 0.1 --eval-every 100``, seed 0 (warm-up 0.495):
+  0.47 of TRL's rollout seconds per step, 1.01 per trained trajectory; held-out TRL 0.520 / 0.630 / 0.585 at 25.6k /
+  38.4k / 51.2k trajectories, partial 0.450 / 0.515 / 0.555 at 24.4k / 38.1k / 52.6k. With ``--fractions 0.9
+  --partial-steps 800``: 1.04 of TRL's rollout seconds per step, 1.24 per trained trajectory; held-out 0.420 / 0.560 /
+  0.585 at 23.2k / 34.8k / 47.6k, 0.625 at 86.0k. (An earlier warm-up, seeds 0 and 1 at lambda 0.75, measured matching
+  curves and 0.52-0.59 of TRL's time per step.)
 Transformers generation decodes every row until the call ends, finished or not, so cutting decoding steps saves time
 per step but not per trained trajectory; engines that free a finished row's slot (vLLM) are where the saving is
 reported (APRIL), and the plugin does not drive them yet.
@@ -121,7 +126,8 @@ def timed_rollouts():
 
 
 def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, seed: int, out: Path,
-             long_tail: float, eval_every: int) -> None:
+             long_tail: float, eval_every: int, grpo_seeds: list[int] | None = None, half_batch: bool = False,
+             mask_offpolicy: bool = False) -> None:
     """configs/partial_rollout.yaml's GRPO stage without the plugin and at each lambda, from one SFT warm-up."""
     import yaml
 
@@ -144,14 +150,25 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, 
     if eval_every:
         grpo_args.update(save_strategy="steps", save_steps=eval_every, save_only_model=True)
     grpo = {**grpo, "model": "stage:sft", "args": grpo_args}
-    stages = {"plain": {**grpo, "name": "plain", "plugins": ["grpo", "exact_match"]}}
-    labels = {"plain": "no plugin (TRL)"}
+    configurations = {"plain": ("no plugin (TRL)", ["grpo", "exact_match"], {})}
+    if half_batch:
+        # TRL training the batch the plugin trains per step (about half its generation batch), for as many steps.
+        half = grpo_args["per_device_train_batch_size"] // 2
+        configurations["half"] = (f"TRL batch {half}", ["grpo", "exact_match"],
+                                  {"max_steps": partial_steps, "per_device_train_batch_size": half})
     for fraction in fractions:
-        name = f"partial{round(fraction * 100)}"
-        plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": False}}
-        stages[name] = {**grpo, "name": name, "plugins": ["grpo", plugin, *(["tis"] if tis else []), "exact_match"],
-                        "args": {**grpo["args"], "max_steps": partial_steps}}
-        labels[name] = f"partial_rollout {fraction}" + (" + tis" if tis else "")
+        plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": mask_offpolicy}}
+        configurations[f"partial{round(fraction * 100)}"] = (
+            f"partial_rollout {fraction}" + (" + tis" if tis else "") + (" masked" if mask_offpolicy else ""),
+            ["grpo", plugin, *(["tis"] if tis else []), "exact_match"], {"max_steps": partial_steps})
+    stages, labels, steps_of = {}, {}, {}
+    for seed_of_grpo in grpo_seeds or [None]:
+        for key, (label, plugins, overrides) in configurations.items():
+            name = key if seed_of_grpo is None else f"{key}_seed{seed_of_grpo}"
+            args = {**grpo["args"], **overrides, **({} if seed_of_grpo is None else {"seed": seed_of_grpo})}
+            stages[name] = {**grpo, "name": name, "plugins": plugins, "args": args}
+            labels[name] = label if seed_of_grpo is None else f"{label} [seed {seed_of_grpo}]"
+            steps_of[name] = args["max_steps"]
     with timed_rollouts() as rollout_seconds:
         info = run_recipe(parse_recipe({"seed": seed, "keep_checkpoints": bool(eval_every),
                                         "stages": [warm_up, *stages.values()]}), str(out), Catalog.discover(),
@@ -159,14 +176,14 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, 
     print(f"held-out greedy accuracy after the SFT warm-up: {info['stages']['sft']['eval']['after']['accuracy']:.3f}"
           + (f" (warm-up with verbose tails on {long_tail:.0%} of answers, up to {LONG_TAIL} tokens; completion cap "
              f"{grpo_args['max_completion_length']})" if long_tail else ""))
-    batch = grpo_args["per_device_train_batch_size"]
     print(f"{'GRPO stage':<28}{'steps':>6}{'held-out':>9}{'stage s':>8}{'rollout s/step':>15}{'ratio':>7}"
           f"{'decode/step':>12}{'trained/step':>13}{'rollout s/trained':>18}{'ratio':>7}")
     rows, base = {}, None
     for name, label in labels.items():
         stage, logs = info["stages"][name], _metrics(out / name)
-        n = steps if name == "plain" else partial_steps
-        trained = _mean(logs, "partial_rollout/trained_fraction", default=1.0) * batch
+        n = steps_of[name]
+        trained = _mean(logs, "partial_rollout/trained_fraction", default=1.0) * stages[name]["args"][
+            "per_device_train_batch_size"]
         decode = _mean(logs, "partial_rollout/generation_steps", default=None) or _mean(logs, "completions/max_length")
         per_step = rollout_seconds[name] / n
         base = base or (per_step, per_step / trained)
@@ -174,11 +191,19 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, 
         print(f"{label:<28}{n:>6}{stage['eval']['after']['accuracy']:>9.3f}{stage.get('seconds', float('nan')):>8.0f}"
               f"{per_step:>15.3f}{per_step / base[0]:>7.2f}{decode:>12.1f}{trained:>13.1f}"
               f"{per_step / trained * 1000:>16.2f}ms{per_step / trained / base[1]:>7.2f}")
+    if grpo_seeds:
+        print(f"held-out greedy accuracy over GRPO seeds {grpo_seeds} (one warm-up, recipe seed {seed}):")
+        for key, (label, _plugins, _overrides) in configurations.items():
+            scores = [info["stages"][f"{key}_seed{s}"]["eval"]["after"]["accuracy"] for s in grpo_seeds]
+            mean = sum(scores) / len(scores)
+            spread = (sum((x - mean) ** 2 for x in scores) / max(len(scores) - 1, 1)) ** 0.5
+            print(f"  {label:<28} mean {mean:.3f}  sd {spread:.3f}  runs " + " ".join(f"{x:.3f}" for x in scores))
     if eval_every:
         print("held-out greedy accuracy at each checkpoint, with the trajectories trained by then (thousands):")
         for name, label in labels.items():
             curve, logs = _checkpoint_curve(out / name), rows[name]
-            cells = [f"{step}: {acc:.3f} ({_trained_by(logs, step, batch) / 1000:.1f}k)" for step, acc in curve.items()]
+            size = stages[name]["args"]["per_device_train_batch_size"]
+            cells = [f"{step}: {acc:.3f} ({_trained_by(logs, step, size) / 1000:.1f}k)" for step, acc in curve.items()]
             print(f"  {label:<28}" + "  ".join(cells))
     curves = {name: {r["step"]: r["reward"] for r in logs if "reward" in r} for name, logs in rows.items()}
     marks = [s for s in range(50, max(steps, partial_steps) + 1, 50) if any(s in c for c in curves.values())]
@@ -249,12 +274,19 @@ def main() -> None:
                         "long-tailed length distribution")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="--held-out: save a checkpoint every N steps and print the held-out curve")
+    parser.add_argument("--grpo-seeds", type=int, nargs="+", default=None, metavar="SEED",
+                        help="--held-out: run every GRPO configuration once per seed, from the one warm-up, and "
+                        "print each configuration's mean and spread (the noise a single comparison hides)")
+    parser.add_argument("--mask-offpolicy", action="store_true", help="--held-out: the plugin's mask_offpolicy "
+                        "(tokens of an older policy version leave the loss)")
+    parser.add_argument("--half-batch", action="store_true", help="--held-out: add TRL at half the batch for "
+                        "--partial-steps steps, the per-step batch the plugin trains")
     parser.add_argument("--output-dir", default=None, help="where --held-out runs (default: a temporary folder)")
     a = parser.parse_args()
     if a.held_out:
         out = Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-"))
         held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, not a.no_tis, a.seed, out, a.long_tail,
-                 a.eval_every)
+                 a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy)
         return
 
     from trl_ext.embedded.models import materialize_model

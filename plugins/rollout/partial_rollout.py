@@ -25,10 +25,13 @@ BUFFER_FILE = "partial_rollout_rank{rank}.json"
 class PartialRolloutParams(PluginParams):
     finish_fraction: float = Field(0.75, gt=0.0, le=1.0, description="lambda: generation stops once ceil(lambda * N) "
                                    "of the N trajectories this rank is generating have finished (EOS or "
-                                   "max_completion_length). 1 = plain generation.")
+                                   "max_completion_length). 1 = plain generation. Lower saves more decoding steps "
+                                   "and defers more groups: see the measured trade-off in the plugin docstring.")
     mask_offpolicy: bool = Field(False, description="Give tokens sampled by an older policy version zero loss weight "
                                  "(slime's --mask-offpolicy-in-partial-rollout); false keeps them, corrected only by "
-                                 "importance-sampling plugins through their recorded sampling log-probs.")
+                                 "importance-sampling plugins through their recorded sampling log-probs. Measured "
+                                 "harmful: the mask removes a deferred group's early finishers, so what trains "
+                                 "depends on length (plugin docstring).")
 
 
 @dataclass
@@ -91,8 +94,8 @@ class PartialRollout(Plugin):
       which its last trajectory finishes; groups still unfinished get zero advantage and a zero completion mask in
       this step (``trl_ext_filter_groups``), so they leave every token count. A step therefore trains fewer samples
       than the batch holds (``partial_rollout/trained_fraction``: 0.46-0.66 at lambda 0.75 on the embedded addition
-      task), and learning is comparable per trained trajectory, not per step (``benchmarks/partial_rollout.py
-      --held-out``);
+      task), so learning compares per trained trajectory, not per step (``benchmarks/partial_rollout.py --held-out``;
+      measured below);
     * the stop rule counts the trajectories this call generates, per rank (no collective inside generation):
       ``ceil(lambda * N_active)``, where ``N_active`` excludes finished members of resumed groups, which only wait (had
       they counted, a batch of mostly waiting members would stop after one more token); a trajectory cut by
@@ -112,8 +115,39 @@ class PartialRollout(Plugin):
       tools, continuous batching or multimodal prompts); it fills the ``generation`` and ``refill`` slots, so it does
       not combine with ``rollout_logprobs`` or ``dynamic_sampling``. ``generate`` keeps decoding every row of a call
       until the call ends, so what the plugin saves is decoding steps per optimizer step, not per trained trajectory
-      (measured with long-tailed lengths, ``benchmarks/partial_rollout.py --long-tail``, two seeds: rollout time per
-      step 0.52-0.59 of TRL's, per trained trajectory 1.08-1.19, held-out matching at equal trajectories trained).
+      (rollout time per trained trajectory 1.01-1.24 of TRL's in the runs below).
+
+    Measured on the embedded addition task (``benchmarks/partial_rollout.py --held-out 400 --grpo-seeds 0 1 2``:
+    configs/partial_rollout.yaml's GRPO stage from one SFT warm-up at 0.415, answers of 2-3 tokens, greedy held-out
+    accuracy on 200 problems, mean and spread over three GRPO seeds, about 51k trained trajectories each):
+
+    ==============================================================  ==============  =====================
+    run                                                             held-out        per seed
+    ==============================================================  ==============  =====================
+    TRL, 16 prompts x 8 per step, 400 steps                         0.508           0.490 0.500 0.535
+    TRL, 8 x 8 per step (the batch the plugin trains), 800 steps    0.498           0.500 0.495 0.500
+    plugin at lambda 1 (nothing deferred), 400 steps                0.505           0.500 0.500 0.515
+    lambda 0.9 + tis, 528 steps (about 47k trajectories)            0.538           0.565 0.540 0.510
+    lambda 0.75 + tis, 800 steps                                    0.440           0.440 0.475 0.405
+    lambda 0.75 + tis + mask_offpolicy, 800 steps                   0.268           0.245 0.255 0.305
+    ==============================================================  ==============  =====================
+
+    So the plugin's generation and loss path matches TRL (lambda 1), and deferral at lambda 0.9 learns as much per
+    trained trajectory. At lambda 0.75, where about half the groups wait each step and 65% of the trained tokens were
+    sampled by an older policy version (32% at 0.9; ``partial_rollout/stale_token_fraction``), it learns less in every
+    seed. The cause is not measured. It is not TIS (0.455 without it, one seed), nor one step of staleness as such: TRL
+    training each 16-prompt generation batch over two optimizer steps (``steps_per_generation: 2``, batch 64, 800 steps:
+    half the samples train one step late, under TRL's clipped ratio) reached 0.542 (0.540 / 0.520 / 0.565). What the
+    plugin adds is that lateness follows length (a group waits because one of its samples is long), and that its stale
+    tokens carry TIS weights rather than a clipped ratio (with one optimizer step per generation batch TRL's ratio is
+    1). ``mask_offpolicy`` is worse than no correction: in a deferred group the stale tokens are the members that
+    finished first and the prefixes of the late ones, so the mask keeps mostly the tails of the long samples; the signal
+    then depends on length, and sampled completions grew (decoding steps per call 3.2 -> 4.3). With long-tailed lengths
+    (``--long-tail 0.1 --eval-every 100``, one seed, warm-up 0.495; TRL 0.520 / 0.630 / 0.585 at 25.6k / 38.4k / 51.2k
+    trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and trailed (0.450 / 0.515 / 0.555 at 24.4k /
+    38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 / 0.585 at 23.2k / 34.8k / 47.6k) but took
+    1.04 of TRL's rollout seconds per step: on transformers generation no lambda measured gave both the time saving and
+    TRL's learning.
 
     Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
