@@ -14,10 +14,10 @@ without the plugin: time per step, and time per trained trajectory (the fair fig
 
 ``--held-out STEPS`` measures learning instead of speed: the recipe of configs/partial_rollout.yaml (quickstart's
 SFT warm-up, then GRPO on addition) from one warm-up through the trl-ext runner, without the plugin and with
-``partial_rollout`` at each ``--fractions`` lambda (+ ``tis`` unless ``--no-tis``), same seed and budget; it prints the
-train reward every 50 steps, the held-out greedy accuracy after the warm-up and after each stage, the stage's wall
-time, its rollout seconds per step (time inside the trainer's generation, timed here) and per trained trajectory, each
-with its ratio to the run without the plugin. ``--eval-every N`` keeps a checkpoint every N steps and prints the
+``partial_rollout`` at each ``--fractions`` lambda (+ the ``--correction`` plugin, ``tis`` by default, ``none`` for
+no correction), same seed and budget; it prints the train reward every 50 steps, the held-out greedy accuracy after
+the warm-up and after each stage, the stage's wall time, its rollout seconds per step (time inside the trainer's
+generation, timed here) and per trained trajectory, each with its ratio to the run without the plugin. ``--eval-every N`` keeps a checkpoint every N steps and prints the
 held-out curve with the trajectories trained by each point, so runs that train different numbers per step compare.
 ``--grpo-seeds S ...`` runs every GRPO configuration once per seed from the one warm-up and prints each one's mean and
 spread; ``--half-batch`` adds TRL at half the batch for ``--partial-steps`` steps (the batch the plugin trains per
@@ -27,8 +27,9 @@ verbose tail of up to 48 tokens (the embedded task's ``tail_fraction``; exact_ma
 rises to 64.
 Measured (2-core CPU, transformers 5.25; the plugin docstring has the table):
 - ``--held-out 400 --partial-steps 800 --grpo-seeds 0 1 2 --half-batch`` (warm-up 0.415): TRL 0.508 (sd 0.024), TRL
-  at batch 64 0.498 (sd 0.003), lambda 0.75 + tis 0.440 (sd 0.035); with ``--mask-offpolicy`` 0.268; ``--fractions
-  1.0`` (400 steps) 0.505; ``--fractions 0.9 --partial-steps 528`` 0.538.
+  at batch 64 0.498 (sd 0.003), lambda 0.75 + tis 0.440 (sd 0.035); with ``--mask-offpolicy`` 0.268; with
+  ``--correction rollout_ratio`` 0.427 (sd 0.025); ``--fractions 1.0`` (400 steps) 0.505; ``--fractions 0.9
+  --partial-steps 528`` 0.538.
 - ``--held-out 400 --partial-steps 1000 --fractions 0.75 --long-tail 0.1 --eval-every 100``, seed 0 (warm-up 0.495):
   0.47 of TRL's rollout seconds per step, 1.01 per trained trajectory; held-out TRL 0.520 / 0.630 / 0.585 at 25.6k /
   38.4k / 51.2k trajectories, partial 0.450 / 0.515 / 0.555 at 24.4k / 38.1k / 52.6k. With ``--fractions 0.9
@@ -125,16 +126,18 @@ def timed_rollouts():
         ExtGRPOTrainer._generate = original
 
 
-def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, seed: int, out: Path,
+def held_out(steps: int, partial_steps: int, fractions: list[float], correction: str, seed: int, out: Path,
              long_tail: float, eval_every: int, grpo_seeds: list[int] | None = None, half_batch: bool = False,
              mask_offpolicy: bool = False) -> None:
     """configs/partial_rollout.yaml's GRPO stage without the plugin and at each lambda, from one SFT warm-up."""
     import yaml
 
+    from trl_ext import Slot
     from trl_ext.catalog import Catalog
     from trl_ext.recipe import parse_recipe
     from trl_ext.runner import run_recipe
 
+    catalog = Catalog.discover()
     root = Path(__file__).resolve().parents[1] / "configs"
     warm_up = yaml.safe_load((root / "quickstart.yaml").read_text())["stages"][0]
     grpo = yaml.safe_load((root / "partial_rollout.yaml").read_text())["stages"][0]
@@ -156,11 +159,15 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, 
         half = grpo_args["per_device_train_batch_size"] // 2
         configurations["half"] = (f"TRL batch {half}", ["grpo", "exact_match"],
                                   {"max_steps": partial_steps, "per_device_train_batch_size": half})
+    corrections = [] if correction == "none" else [correction]
+    # a correction that is itself the objective (rollout_ratio) replaces grpo's
+    objective = any(Slot.OBJECTIVE in catalog.resolve(name).cls.slots for name in corrections)
     for fraction in fractions:
         plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": mask_offpolicy}}
         configurations[f"partial{round(fraction * 100)}"] = (
-            f"partial_rollout {fraction}" + (" + tis" if tis else "") + (" masked" if mask_offpolicy else ""),
-            ["grpo", plugin, *(["tis"] if tis else []), "exact_match"], {"max_steps": partial_steps})
+            f"partial_rollout {fraction}" + (f" + {correction}" if correction != "none" else "")
+            + (" masked" if mask_offpolicy else ""),
+            [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"], {"max_steps": partial_steps})
     stages, labels, steps_of = {}, {}, {}
     for seed_of_grpo in grpo_seeds or [None]:
         for key, (label, plugins, overrides) in configurations.items():
@@ -171,7 +178,7 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], tis: bool, 
             steps_of[name] = args["max_steps"]
     with timed_rollouts() as rollout_seconds:
         info = run_recipe(parse_recipe({"seed": seed, "keep_checkpoints": bool(eval_every),
-                                        "stages": [warm_up, *stages.values()]}), str(out), Catalog.discover(),
+                                        "stages": [warm_up, *stages.values()]}), str(out), catalog,
                           echo=lambda _m: None)
     print(f"held-out greedy accuracy after the SFT warm-up: {info['stages']['sft']['eval']['after']['accuracy']:.3f}"
           + (f" (warm-up with verbose tails on {long_tail:.0%} of answers, up to {LONG_TAIL} tokens; completion cap "
@@ -266,7 +273,8 @@ def main() -> None:
     parser.add_argument("--partial-steps", type=int, default=0, help="--held-out: steps of the partial_rollout "
                         "stages (default: the same STEPS; more matches the trajectories trained, as deferred groups "
                         "do not train in the step that deferred them)")
-    parser.add_argument("--no-tis", action="store_true", help="--held-out without the tis correction")
+    parser.add_argument("--correction", default="tis", help="--held-out: the plugin correcting the stale tokens "
+                        "(tis, icepop, mis, rollout_ratio, ...), or none")
     parser.add_argument("--seed", type=int, default=0, help="--held-out: the recipe seed (warm-up and GRPO)")
     parser.add_argument("--long-tail", type=float, default=0.0, metavar="FRACTION",
                         help="--held-out: warm up on answers of which FRACTION carry a verbose tail (up to "
@@ -285,7 +293,7 @@ def main() -> None:
     a = parser.parse_args()
     if a.held_out:
         out = Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-"))
-        held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, not a.no_tis, a.seed, out, a.long_tail,
+        held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, a.correction, a.seed, out, a.long_tail,
                  a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy)
         return
 

@@ -135,19 +135,19 @@ class PartialRollout(Plugin):
     So the plugin's generation and loss path matches TRL (lambda 1), and deferral at lambda 0.9 learns as much per
     trained trajectory. At lambda 0.75, where about half the groups wait each step and 65% of the trained tokens were
     sampled by an older policy version (32% at 0.9; ``partial_rollout/stale_token_fraction``), it learns less in every
-    seed. The cause is not measured. It is not TIS (0.455 without it, one seed), nor one step of staleness as such: TRL
-    training each 16-prompt generation batch over two optimizer steps (``steps_per_generation: 2``, batch 64, 800 steps:
-    half the samples train one step late, under TRL's clipped ratio) reached 0.542 (0.540 / 0.520 / 0.565). What the
-    plugin adds is that lateness follows length (a group waits because one of its samples is long), and that its stale
-    tokens carry TIS weights rather than a clipped ratio (with one optimizer step per generation batch TRL's ratio is
-    1). ``mask_offpolicy`` is worse than no correction: in a deferred group the stale tokens are the members that
-    finished first and the prefixes of the late ones, so the mask keeps mostly the tails of the long samples; the signal
-    then depends on length, and sampled completions grew (decoding steps per call 3.2 -> 4.3). With long-tailed lengths
-    (``--long-tail 0.1 --eval-every 100``, one seed, warm-up 0.495; TRL 0.520 / 0.630 / 0.585 at 25.6k / 38.4k / 51.2k
-    trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and trailed (0.450 / 0.515 / 0.555 at 24.4k /
-    38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 / 0.585 at 23.2k / 34.8k / 47.6k) but took
-    1.04 of TRL's rollout seconds per step: on transformers generation no lambda measured gave both the time saving and
-    TRL's learning.
+    seed. The cause is not measured; three candidates are ruled out. Not TIS: 0.455 without it (one seed). Not the
+    correction: with ``rollout_ratio`` (a double-sided trust region against the sampling log-probs) in place of TIS,
+    0.427 (0.430 / 0.450 / 0.400). Not one step of staleness as such: TRL training each 16-prompt generation batch over
+    two optimizer steps (``steps_per_generation: 2``, batch 64, 800 steps: half the samples train one step late) reached
+    0.542 (0.540 / 0.520 / 0.565). What the plugin adds beyond these is that lateness follows length: a group waits
+    because one of its samples is long. ``mask_offpolicy`` is worse than no correction: in a deferred group the stale
+    tokens are the members that finished first and the prefixes of the late ones, so the mask keeps mostly the tails of
+    the long samples; the signal then depends on length, and sampled completions grew (decoding steps per call 3.2 ->
+    4.3). With long-tailed lengths (``--long-tail 0.1 --eval-every 100``, one seed, warm-up 0.495; TRL 0.520 / 0.630 /
+    0.585 at 25.6k / 38.4k / 51.2k trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and trailed
+    (0.450 / 0.515 / 0.555 at 24.4k / 38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 / 0.585 at
+    23.2k / 34.8k / 47.6k) but took 1.04 of TRL's rollout seconds per step: on transformers generation no lambda
+    measured gave both the time saving and TRL's learning.
 
     Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
