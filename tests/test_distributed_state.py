@@ -218,14 +218,18 @@ def test_partial_rollout_figures_cover_both_ranks_buffers():
     states = {0: [done(3, 3), done(2, 3)], 1: [done(3), done(3), done(3), Trajectory(ids=[1], versions=[3])]}
     buffers = {0: [], 1: [PendingGroup([{}, {}], states[1][2:])]}
     resumed, steps = {0: 1, 1: 0}, {0: 5, 1: 7}
+    # trained tokens (sampled by an older version, all): rank 0's version-2 token of 4; rank 1's 2 current tokens
+    trained_tokens = {0: (1, 4), 1: (0, 2)}
     records = {}
     for rank in (0, 1):
         plugin = PartialRollout()
         plugin.buffer, plugin._last_steps = buffers[rank], steps[rank]
+        plugin._trained_tokens = trained_tokens[rank]
+        plugin._trained_rewards = (0.5, 0.25)  # from the gathered rewards: the same on every rank
         other = 1 - rank
         # the other rank's figures: buffered groups, resumed, trained, generated, sum of distinct versions,
-        # trained trajectories with tokens, staleness, decoding steps
-        other_local = {0: [0, 1, 2, 2, 1 + 2, 2, 3 - 2, 5], 1: [1, 0, 2, 4, 1 + 1, 2, 0, 7]}[other]
+        # trained trajectories with tokens, staleness, decoding steps, stale trained tokens, trained tokens
+        other_local = {0: [0, 1, 2, 2, 1 + 2, 2, 3 - 2, 5, 1, 4], 1: [1, 0, 2, 4, 1 + 1, 2, 0, 7, 0, 2]}[other]
         trainer = fake_trainer(rank, others={"gather": [torch.tensor(other_local, dtype=torch.float64)]})
         trainer.accelerator.device = "cpu"
         trainer.state.global_step = 3
@@ -233,7 +237,9 @@ def test_partial_rollout_figures_cover_both_ranks_buffers():
     expected = {"partial_rollout/buffer_groups": 1, "partial_rollout/resumed_trajectories": 1,
                 "partial_rollout/trained_fraction": pytest.approx(4 / 6),
                 "partial_rollout/versions_per_trajectory": pytest.approx((1 + 2 + 1 + 1) / 4),
-                "partial_rollout/staleness_max": 1, "partial_rollout/generation_steps": 7}
+                "partial_rollout/staleness_max": 1, "partial_rollout/generation_steps": 7,
+                "partial_rollout/stale_token_fraction": pytest.approx(1 / 6),
+                "partial_rollout/trained_reward_mean": 0.5, "partial_rollout/trained_zero_std_fraction": 0.25}
     assert records[0] == expected and records[1] == expected
 
 
