@@ -12,13 +12,14 @@ so resumed tokens carry older policy versions. Reported per configuration: mean 
 steps per rollout, trajectories that trained (belong to finished groups) per step, and the ratios against the run
 without the plugin: time per step, and time per trained trajectory (the fair figure: partial rollouts defer groups).
 
-``--held-out STEPS`` measures learning instead of speed: the recipe of configs/partial_rollout.yaml (quickstart's
-SFT warm-up, then GRPO on addition) from one warm-up through the trl-ext runner, without the plugin and with
-``partial_rollout`` at each ``--fractions`` lambda (+ the ``--correction`` plugin, ``tis`` by default, ``none`` for
-no correction), same seed and budget; it prints the train reward every 50 steps, the held-out greedy accuracy after
-the warm-up and after each stage, the stage's wall time, its rollout seconds per step (time inside the trainer's
-generation, timed here) and per trained trajectory, each with its ratio to the run without the plugin. ``--eval-every N`` keeps a checkpoint every N steps and prints the
-held-out curve with the trajectories trained by each point, so runs that train different numbers per step compare.
+``--held-out STEPS`` measures learning instead of speed: the recipe of configs/partial_rollout.yaml (quickstart's SFT
+warm-up, then GRPO on addition) from one warm-up through the trl-ext runner, without the plugin and with
+``partial_rollout`` at each ``--fractions`` lambda (+ the ``--correction`` plugin, ``tis`` by default, ``none`` for no
+correction), same seed and budget; it prints the train reward every 50 steps, the held-out greedy accuracy after the
+warm-up and after each stage, the stage's wall time, its rollout seconds per step (time inside the trainer's generation,
+timed here) and per trained trajectory, each with its ratio to the run without the plugin. ``--eval-every N`` keeps a
+checkpoint every N steps and prints the held-out curve with the trajectories trained by each point, so runs that train
+different numbers per step compare.
 ``--grpo-seeds S ...`` runs every GRPO configuration once per seed from the one warm-up and prints each one's mean and
 spread; ``--half-batch`` adds TRL at half the batch for ``--partial-steps`` steps (the batch the plugin trains per
 step); ``--mask-offpolicy`` turns on the plugin's ``mask_offpolicy``.
@@ -26,6 +27,9 @@ step); ``--mask-offpolicy`` turns on the plugin's ``mask_offpolicy``.
 verbose tail of up to 48 tokens (the embedded task's ``tail_fraction``; exact_match ignores it) and the completion cap
 rises to 64.
 Measured (2-core CPU, transformers 5.25; the plugin docstring has the table):
+- speed, ``--fractions 0.75 0.9`` (defaults above): rollout seconds per step 0.58 and 0.85 of TRL's, per trained
+  trajectory 1.06 and 1.08; ``--fractions 1.0`` 1.03 (1.14 with ``--batch 128 --generations 8
+  --max-completion-length 8 --eos-bias 0``).
 - ``--held-out 400 --partial-steps 800 --grpo-seeds 0 1 2 --half-batch`` (warm-up 0.415): TRL 0.508 (sd 0.024), TRL
   at batch 64 0.498 (sd 0.003), lambda 0.75 + tis 0.440 (sd 0.035); with ``--mask-offpolicy`` 0.268; with
   ``--correction rollout_ratio`` 0.427 (sd 0.025); ``--fractions 1.0`` (400 steps) 0.505; ``--fractions 0.9
@@ -33,9 +37,9 @@ Measured (2-core CPU, transformers 5.25; the plugin docstring has the table):
 - ``--held-out 400 --partial-steps 1000 --fractions 0.75 --long-tail 0.1 --eval-every 100``, seed 0 (warm-up 0.495):
   0.47 of TRL's rollout seconds per step, 1.01 per trained trajectory; held-out TRL 0.520 / 0.630 / 0.585 at 25.6k /
   38.4k / 51.2k trajectories, partial 0.450 / 0.515 / 0.555 at 24.4k / 38.1k / 52.6k. With ``--fractions 0.9
-  --partial-steps 800``: 1.04 of TRL's rollout seconds per step, 1.24 per trained trajectory; held-out 0.420 / 0.560 /
-  0.585 at 23.2k / 34.8k / 47.6k, 0.625 at 86.0k. (An earlier warm-up, seeds 0 and 1 at lambda 0.75, measured matching
-  curves and 0.52-0.59 of TRL's time per step.)
+  --partial-steps 800``: 1.04 of TRL's rollout seconds per step (the same in a second run), 1.24 per trained trajectory;
+  held-out 0.420 / 0.560 / 0.585 at 23.2k / 34.8k / 47.6k, 0.625 at 86.0k. (An earlier warm-up, seeds 0 and 1 at lambda
+  0.75, measured matching curves and 0.52-0.59 of TRL's time per step.)
 Transformers generation decodes every row until the call ends, finished or not, so cutting decoding steps saves time
 per step but not per trained trajectory; engines that free a finished row's slot (vLLM) are where the saving is
 reported (APRIL), and the plugin does not drive them yet.

@@ -143,11 +143,19 @@ class PartialRollout(Plugin):
     because one of its samples is long. ``mask_offpolicy`` is worse than no correction: in a deferred group the stale
     tokens are the members that finished first and the prefixes of the late ones, so the mask keeps mostly the tails of
     the long samples; the signal then depends on length, and sampled completions grew (decoding steps per call 3.2 ->
-    4.3). With long-tailed lengths (``--long-tail 0.1 --eval-every 100``, one seed, warm-up 0.495; TRL 0.520 / 0.630 /
-    0.585 at 25.6k / 38.4k / 51.2k trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and trailed
-    (0.450 / 0.515 / 0.555 at 24.4k / 38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 / 0.585 at
-    23.2k / 34.8k / 47.6k) but took 1.04 of TRL's rollout seconds per step: on transformers generation no lambda
-    measured gave both the time saving and TRL's learning.
+    4.3).
+
+    Time. With geometric lengths on the untrained model (``benchmarks/partial_rollout.py --fractions 0.75 0.9``: 32
+    trajectories, cap 64) rollout seconds per step were 0.58 (lambda 0.75) and 0.85 (0.9) of TRL's, per trained
+    trajectory 1.06 and 1.08; at lambda 1 the plugin's generation costs 1.03 (this benchmark) to 1.14 (128 trajectories
+    of at most 8 tokens) of TRL's (profiled: spread over per-row tensor building, no single hotspot). With long-tailed
+    lengths (``--long-tail 0.1 --eval-every 100``, one seed, warm-up 0.495; TRL 0.520 / 0.630 / 0.585 at 25.6k / 38.4k /
+    51.2k trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and trailed (0.450 / 0.515 / 0.555 at
+    24.4k / 38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 / 0.585 at 23.2k / 34.8k / 47.6k)
+    but took 1.04 of TRL's rollout seconds per step (twice measured) although it decoded 48 steps per call against 64.
+    Likely, not measured apart: transformers keeps no KV cache between calls, so every resumed prefix (up to 60 tokens
+    of tail here) is prefilled again, and every row of the call is left-padded to the longest resumed input. On
+    transformers generation no lambda measured gave both the time saving and TRL's learning.
 
     Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
