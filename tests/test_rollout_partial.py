@@ -13,8 +13,8 @@ from trl_ext.embedded.arithmetic import arithmetic_dataset
 from trl_ext.errors import RecipeError
 from trl_ext.recipe import StageSpec
 from trl_ext.stage import resolve_stage
-from trl_ext_plugins.rollout.control_math import (finish_target, stale_token_mask, trained_group_rewards,
-                                                   versions_per_trajectory)
+from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
+from trl_ext_plugins.rollout.math import trained_group_rewards
 from trl_ext_plugins.rollout.partial_rollout import STALE_KEY, PartialRollout, StopWhenEnoughFinished
 
 EOS = 99
@@ -47,13 +47,16 @@ def test_stop_rule_stops_in_the_step_the_12th_of_16_trajectories_finishes():
 
 def test_trained_group_rewards_count_only_the_groups_that_train():
     nan = float("nan")
-    rewards = [1, 0, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1,  nan, 1, 0, 0]
-    trained = [True] * 4 + [False] * 4 + [True] * 8
+    rewards = torch.tensor([1, 0, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1,  nan, 1, 0, 0])
+    trained = torch.tensor([True] * 4 + [False] * 4 + [True] * 8)
     mean, zero_std = trained_group_rewards(rewards, trained, 4)
     assert mean == pytest.approx(8 / 11)  # (3 + 4 + 1) over the 11 scorable rewards of groups 0, 2 and 3
     assert zero_std == pytest.approx(1 / 3)  # group 2 agrees; the deferred all-zero group 1 does not count
-    assert trained_group_rewards([nan, nan], [True, True], 2) == pytest.approx((nan, nan), nan_ok=True)
-    assert trained_group_rewards([1, 0], [False, False], 2) == pytest.approx((nan, nan), nan_ok=True)
+    # a trained group with no scored row has no mean and no variance (as in TRL's frac_reward_zero_std)
+    assert trained_group_rewards(torch.tensor([nan, nan]), torch.tensor([True, True]), 2) == pytest.approx(
+        (nan, 1.0), nan_ok=True)
+    assert trained_group_rewards(torch.tensor([1.0, 0.0]), torch.tensor([False, False]), 2) == pytest.approx(
+        (nan, nan), nan_ok=True)
 
 
 @pytest.mark.parametrize("value", [0.0, -0.5, 1.5])

@@ -62,23 +62,6 @@ def versions_per_trajectory(versions: Sequence[Sequence[int]]) -> list[int]:
     return [len(set(v)) for v in versions]
 
 
-def trained_group_rewards(rewards: Sequence[float], trained: Sequence[bool], group_size: int) -> tuple[float, float]:
-    """(mean reward, fraction of groups whose rewards all agree) over the groups that train this step.
-
-    ``rewards`` and ``trained`` hold ``N`` samples in group order (``trained`` constant within a group). The
-    batch-wide figures TRL logs also count the groups a partial rollout defers, whose rewards score unfinished text;
-    these count only the groups the optimizer step sees. NaN rewards (unscorable rows) are left out; both figures are
-    NaN when no group trains."""
-    grouped = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
-    kept = grouped[np.asarray(trained, dtype=bool).reshape(-1, group_size)[:, 0]]
-    finite = ~np.isnan(kept)
-    if not finite.any():
-        return float("nan"), float("nan")
-    low = np.where(finite, kept, np.inf).min(axis=1)
-    high = np.where(finite, kept, -np.inf).max(axis=1)
-    return float(kept[finite].mean()), float(np.mean(~(high > low)))
-
-
 def stale_token_mask(versions: Sequence[int], current: int) -> list[bool]:
     """True for tokens sampled by a policy older than ``current`` (the segment ``mask_offpolicy`` removes)."""
     return [v < current for v in versions]

@@ -1,4 +1,5 @@
-"""Pure functions of the rollout plugins (group filtering and selection for ``dynamic_sampling``)."""
+"""Pure functions of the rollout plugins (group filtering and selection for ``dynamic_sampling``; the trained
+groups' figures of ``partial_rollout``)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def select_groups(kept_per_round: list[torch.Tensor], needed: int) -> list[tuple
         return kept[:needed]
     dropped = [(r, g) for r, mask in enumerate(kept_per_round) for g in torch.nonzero(~mask).flatten().tolist()]
     return kept + dropped[: needed - len(kept)]
+
+
+def trained_group_rewards(rewards: torch.Tensor, keep: torch.Tensor, num_generations: int) -> tuple[float, float]:
+    """(mean reward, share of zero-variance groups) over the groups that train this step.
+
+    ``rewards`` and ``keep`` are ``(N,)`` in group order (``keep`` constant within a group). TRL's ``reward`` and
+    ``frac_reward_zero_std`` also count the groups a partial rollout defers, whose rewards score unfinished text; these
+    count only the groups the optimizer step sees, with the same zero-variance test (:func:`nonzero_variance_groups`).
+    NaN rewards are left out of the mean (NaN when no trained row is scored); both are NaN when no group trains."""
+    trained = keep.view(-1, num_generations)[:, 0].bool()
+    if not trained.any():
+        return float("nan"), float("nan")
+    kept = rewards.view(-1, num_generations)[trained].double()
+    scored = ~torch.isnan(kept)
+    mean = (torch.where(scored, kept, 0.0).sum() / scored.sum()).item() if scored.any() else float("nan")
+    zero_std = (~nonzero_variance_groups(rewards, num_generations)[trained]).double().mean().item()
+    return mean, zero_std

@@ -14,8 +14,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
 
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
 from trl_ext.batches import TokenWeights
-from trl_ext_plugins.rollout.control_math import (finish_target, stale_token_mask, trained_group_rewards,
-                                                   versions_per_trajectory)
+from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
+from trl_ext_plugins.rollout.math import trained_group_rewards
 from trl_ext_plugins.rollout.rollout_logprobs import generate_single_turns_with, recording_logprobs
 
 STALE_KEY = "partial_rollout_stale"  # RolloutBatch.loss_extras key: 1.0 on tokens of an older policy version
@@ -320,15 +320,16 @@ class PartialRollout(Plugin):
         complete = [all(s.finished for s in states[g:g + G]) for g in range(0, len(states), G)]
         local = torch.tensor([c for c in complete for _ in range(G)], device=rewards.device)
         stale = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+        stale_trained = tokens_trained = 0
         for row, s in enumerate(states):
             marks = stale_token_mask(s.versions, trainer.state.global_step)
             stale[row, : len(marks)] = torch.tensor(marks, dtype=torch.float32)
-        trained_rows = [s for g in range(0, len(states), G) if complete[g // G] for s in states[g:g + G]]
-        self._trained_tokens = (sum(sum(stale_token_mask(s.versions, trainer.state.global_step)) for s in trained_rows),
-                                sum(len(s.ids) for s in trained_rows))
+            if complete[row // G]:
+                stale_trained, tokens_trained = stale_trained + sum(marks), tokens_trained + len(marks)
+        self._trained_tokens = (stale_trained, tokens_trained)
         batch.loss_extras[STALE_KEY] = stale
         keep = trainer.accelerator.gather(local)
-        self._trained_rewards = trained_group_rewards(rewards.tolist(), keep.tolist(), G)
+        self._trained_rewards = trained_group_rewards(rewards, keep, G)
         return keep
 
     @hookimpl
