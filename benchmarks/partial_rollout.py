@@ -22,7 +22,8 @@ checkpoint every N steps and prints the held-out curve with the trajectories tra
 different numbers per step compare.
 ``--grpo-seeds S ...`` runs every GRPO configuration once per seed from the one warm-up and prints each one's mean and
 spread; ``--half-batch`` adds TRL at half the batch for ``--partial-steps`` steps (the batch the plugin trains per
-step); ``--mask-offpolicy`` turns on the plugin's ``mask_offpolicy``.
+step); ``--mask-offpolicy`` turns on the plugin's ``mask_offpolicy``; ``--stop-unit groups`` makes lambda count
+complete groups (the plugin's ``stop_unit``, both modes).
 ``--long-tail FRACTION`` makes the length distribution long-tailed: the warm-up learns answers of which FRACTION carry a
 verbose tail of up to 48 tokens (the embedded task's ``tail_fraction``; exact_match ignores it) and the completion cap
 rises to 64.
@@ -132,7 +133,7 @@ def timed_rollouts():
 
 def held_out(steps: int, partial_steps: int, fractions: list[float], correction: str, seed: int, out: Path,
              long_tail: float, eval_every: int, grpo_seeds: list[int] | None = None, half_batch: bool = False,
-             mask_offpolicy: bool = False) -> None:
+             mask_offpolicy: bool = False, stop_unit: str = "trajectories") -> None:
     """configs/partial_rollout.yaml's GRPO stage without the plugin and at each lambda, from one SFT warm-up."""
     import yaml
 
@@ -167,9 +168,11 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], correction:
     # a correction that is itself the objective (rollout_ratio) replaces grpo's
     objective = any(Slot.OBJECTIVE in catalog.resolve(name).cls.slots for name in corrections)
     for fraction in fractions:
-        plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": mask_offpolicy}}
+        plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": mask_offpolicy,
+                                      "stop_unit": stop_unit}}
         configurations[f"partial{round(fraction * 100)}"] = (
-            f"partial_rollout {fraction}" + (f" + {correction}" if correction != "none" else "")
+            f"partial_rollout {fraction}" + (" groups" if stop_unit == "groups" else "")
+            + (f" + {correction}" if correction != "none" else "")
             + (" masked" if mask_offpolicy else ""),
             [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"], {"max_steps": partial_steps})
     stages, labels, steps_of = {}, {}, {}
@@ -293,12 +296,14 @@ def main() -> None:
                         "(tokens of an older policy version leave the loss)")
     parser.add_argument("--half-batch", action="store_true", help="--held-out: add TRL at half the batch for "
                         "--partial-steps steps, the per-step batch the plugin trains")
+    parser.add_argument("--stop-unit", choices=["trajectories", "groups"], default="trajectories",
+                        help="what lambda counts (the plugin's stop_unit): finished trajectories or complete groups")
     parser.add_argument("--output-dir", default=None, help="where --held-out runs (default: a temporary folder)")
     a = parser.parse_args()
     if a.held_out:
         out = Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-"))
         held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, a.correction, a.seed, out, a.long_tail,
-                 a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy)
+                 a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy, a.stop_unit)
         return
 
     from trl_ext.embedded.models import materialize_model
@@ -309,7 +314,8 @@ def main() -> None:
         model_dir = materialize_model("tiny-qwen2", Path(tmp) / "model", seed=0)
         results = {}
         for fraction in [None, *a.fractions]:
-            plugin = None if fraction is None else PartialRollout(PartialRollout.Params(finish_fraction=fraction))
+            plugin = None if fraction is None else PartialRollout(PartialRollout.Params(finish_fraction=fraction,
+                                                                                         stop_unit=a.stop_unit))
             trainer = build(plugin, model_dir, Path(tmp) / f"out-{fraction}", a.batch, a.generations,
                             a.max_completion_length, a.eos_bias)
             run(trainer, plugin, 1, a.batch, a.generations)  # warm-up (not timed)
@@ -320,7 +326,8 @@ def main() -> None:
     print(f"{'configuration':<26}{'s/step':>9}{'decode steps':>14}{'trained/step':>14}{'time ratio':>12}"
           f"{'s/trained ratio':>17}")
     for fraction, r in results.items():
-        name = "no plugin (TRL)" if fraction is None else f"partial_rollout lambda={fraction}"
+        name = "no plugin (TRL)" if fraction is None else f"partial_rollout lambda={fraction}" + (
+            " groups" if a.stop_unit == "groups" else "")
         per_trained = (r["seconds"] / r["trained"]) / (base["seconds"] / base["trained"]) if r["trained"] else float("inf")
         print(f"{name:<26}{r['seconds']:>9.3f}{r['decode_steps']:>14.1f}{r['trained']:>14.1f}"
               f"{r['seconds'] / base['seconds']:>12.2f}{per_trained:>17.2f}")

@@ -1,7 +1,8 @@
 """``partial_rollout`` (ALGORITHMS.md item 44): the stop rule stops after the ceil(lambda * N)-th trajectory finishes
-(lambda 0.75 with 16 trajectories: the 12th); on the tiny model resumed prefixes keep their tokens byte-identical and
-their old sampling log-probs, unfinished groups are masked, stale tokens get zero loss weight with mask_offpolicy;
-the buffer goes into checkpoints and comes back on resume; lambda outside (0, 1] is refused at validation."""
+(lambda 0.75 with 16 trajectories: the 12th), or with stop_unit: groups after the ceil(lambda * P)-th of P groups
+completes; on the tiny model resumed prefixes keep their tokens byte-identical and their old sampling log-probs,
+unfinished groups are masked, stale tokens get zero loss weight with mask_offpolicy; the buffer goes into checkpoints
+and comes back on resume; lambda outside (0, 1] is refused at validation."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def test_stop_rule_stops_in_the_step_the_12th_of_16_trajectories_finishes():
     assert stop(torch.tensor([[7], [7]]), None).tolist() == [True, False]
 
 
+def _first_all_stop_step(stop, finish_step, prompt_width=0):
+    ids = torch.zeros(len(finish_step), prompt_width, dtype=torch.long)
+    for step in range(1, max(finish_step) + 1):
+        token = torch.tensor([EOS if f == step else 7 for f in finish_step]).unsqueeze(1)
+        ids = torch.cat([ids, token], dim=1)
+        if stop(ids, scores=None).all():
+            return step
+    return None
+
+
+def test_group_stop_unit_waits_for_the_third_of_four_groups_to_complete():
+    # four groups of 4; a group completes when its last member finishes: groups 0, 2, 3, 1 at steps 2, 5, 7, 8
+    finish_step = [1, 1, 2, 2,  2, 3, 3, 8,  4, 4, 5, 5,  1, 2, 6, 7]
+    groups = [g for g in range(4) for _ in range(4)]
+    by_group = StopWhenEnoughFinished(0, [8] * 16, [EOS], target=finish_target(4, 0.75), groups=groups)
+    assert _first_all_stop_step(by_group, finish_step) == 7 and by_group.finished_units() == 3
+    # the trajectory rule on the same lengths stops at the 12th finisher, step 5, with only groups 0 and 2 complete
+    by_row = StopWhenEnoughFinished(0, [8] * 16, [EOS], target=finish_target(16, 0.75))
+    assert _first_all_stop_step(by_row, finish_step) == 5
+    # a resumed group brings only its unfinished members: group ids need not be contiguous or start at 0
+    partial = StopWhenEnoughFinished(0, [8] * 5, [EOS], target=2, groups=[3, 3, 7, 9, 9])
+    assert _first_all_stop_step(partial, [2, 4, 6, 1, 3]) == 4  # group 9 at step 3, group 3 at step 4
+
+
 def test_trained_group_rewards_count_only_the_groups_that_train():
     nan = float("nan")
     rewards = torch.tensor([1, 0, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1,  nan, 1, 0, 0])
@@ -68,6 +93,17 @@ def test_lambda_outside_0_1_is_refused_before_loading(trl_ext_catalog, register_
     stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
                       plugins=[{"partial_rollout": {"finish_fraction": value}}, "exact_match"])
     with pytest.raises(RecipeError, match=r"stages\[0\]\.plugins\[0\]\.params\.finish_fraction: .*partial_rollout"):
+        resolve_stage(stage, 0, trl_ext_catalog)
+
+
+def test_unknown_stop_unit_is_refused_before_loading(trl_ext_catalog, register_plugin):
+    register_plugin(PartialRollout)
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    register_plugin(ExactMatch)
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"partial_rollout": {"stop_unit": "tokens"}}, "exact_match"])
+    with pytest.raises(RecipeError, match=r"plugins\[0\]\.params\.stop_unit: .*'trajectories' or 'groups'"):
         resolve_stage(stage, 0, trl_ext_catalog)
 
 
@@ -175,6 +211,25 @@ def _loss_inputs(output):
                       old_per_token_logps=zeros, advantages=zeros[:, :1], mask=mask, sampling_per_token_logps=None,
                       ref_per_token_logps=None, entropies=None, epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
                       extra={STALE_KEY: output[STALE_KEY]})
+
+
+def test_group_stop_unit_trains_at_least_lambda_of_the_groups(tiny_trainer):
+    trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.5, stop_unit="groups")
+    torch.manual_seed(2)
+    trainer._generate_and_score_completions(_rows(data, 0))
+    record = plugin.history[-1]
+    # ceil(0.5 * 4) = 2 of the 4 groups complete: it stopped in the step the second group completed
+    assert record["partial_rollout/trained_fraction"] >= 0.5 and len(plugin.buffer) <= 2
+    unfinished = [s for g in plugin.buffer for s in g.samples if not s.finished]
+    assert all(len(s.ids) == record["partial_rollout/generation_steps"] for s in unfinished)
+    # the same seed under the trajectory rule (ceil(0.5 * 16) = 8 rows): two complete groups hold 8 finished rows, so
+    # it stops no later, and here earlier, with fewer groups complete
+    rows_trainer, rows_plugin, _ = _trainer(tiny_trainer, finish_fraction=0.5)
+    torch.manual_seed(2)
+    rows_trainer._generate_and_score_completions(_rows(data, 0))
+    by_rows = rows_plugin.history[-1]
+    assert by_rows["partial_rollout/generation_steps"] < record["partial_rollout/generation_steps"]
+    assert by_rows["partial_rollout/trained_fraction"] < 0.5
 
 
 def test_lambda_one_is_plain_generation_and_eval_is_untouched(tiny_trainer):

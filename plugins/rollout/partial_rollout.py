@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -27,6 +28,12 @@ class PartialRolloutParams(PluginParams):
                                    "of the N trajectories this rank is generating have finished (EOS or "
                                    "max_completion_length). 1 = plain generation. Lower saves more decoding steps "
                                    "and defers more groups: see the measured trade-off in the plugin docstring.")
+    stop_unit: Literal["trajectories", "groups"] = Field(
+        "trajectories", description="What lambda counts. trajectories: ceil(lambda * N) of the N trajectories this "
+        "call generates have finished (the issue's and APRIL's paper's wording, the default); groups: ceil(lambda * "
+        "P) of the call's P prompt groups are complete, every member finished (slime's partial rollout, the code "
+        "behind APRIL, which stops once rollout_batch_size whole groups are done). groups defers fewer groups per "
+        "step and stops later: see the plugin docstring.")
     mask_offpolicy: bool = Field(False, description="Give tokens sampled by an older policy version zero loss weight "
                                  "(slime's --mask-offpolicy-in-partial-rollout); false keeps them, corrected only by "
                                  "importance-sampling plugins through their recorded sampling log-probs. Measured "
@@ -54,25 +61,35 @@ class PendingGroup:
 
 
 class StopWhenEnoughFinished(StoppingCriteria):
-    """Per-row stop at EOS or at the row's own token budget; all rows stop once ``target`` rows have finished.
+    """Per-row stop at EOS or at the row's own token budget; all rows stop once ``target`` units have finished.
 
+    A unit is a row, or with ``groups`` (each row's group index) a group, finished once all its rows in the call are.
     transformers pads a finished row from then on and ends ``generate`` when every row is done, so returning all-True
-    ends the call right after the step in which the ``target``-th row finished.
+    ends the call right after the step in which the ``target``-th unit finished.
     """
 
-    def __init__(self, prompt_width: int, budgets: list[int], eos_ids: list[int], target: int):
+    def __init__(self, prompt_width: int, budgets: list[int], eos_ids: list[int], target: int,
+                 groups: list[int] | None = None):
         self.prompt_width = prompt_width
         self.budgets = torch.tensor(budgets)
         self.eos_ids = torch.tensor(eos_ids)
         self.target = target
+        self.groups = None if groups is None else torch.unique(torch.tensor(groups), return_inverse=True)[1]
         self.done = torch.zeros(len(budgets), dtype=torch.bool)
         self.steps = 0
+
+    def finished_units(self) -> int:
+        if self.groups is None:
+            return int(self.done.sum())
+        unfinished = torch.zeros(int(self.groups.max()) + 1, dtype=torch.long).index_add_(
+            0, self.groups, (~self.done).long())
+        return int((unfinished == 0).sum())
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         self.steps = input_ids.shape[1] - self.prompt_width
         last = input_ids[:, -1].cpu()
         self.done |= torch.isin(last, self.eos_ids) | (self.steps >= self.budgets)
-        if int(self.done.sum()) >= self.target:
+        if self.finished_units() >= self.target:
             return torch.ones_like(self.done).to(input_ids.device)
         return self.done.clone().to(input_ids.device)
 
@@ -101,6 +118,12 @@ class PartialRollout(Plugin):
       they counted, a batch of mostly waiting members would stop after one more token); a trajectory cut by
       ``max_completion_length`` counts as finished (TRL's ``clipped_ratio``). At least one trajectory finishes per
       call, so generation always progresses;
+    * what lambda counts (``stop_unit``): ``trajectories`` (the default, as the issue and APRIL's paper word it: "a
+      fraction of the batch's trajectories") or ``groups``: ``ceil(lambda * P)`` of the call's ``P`` prompt groups are
+      complete, every member finished, as slime (the code behind APRIL) stops once ``rollout_batch_size`` whole
+      groups of ``over_sampling_batch_size`` are done. One long member holds back its whole group, so at the same
+      lambda ``trajectories`` defers more groups (a call at lambda 0.75 can leave half of them waiting) and
+      ``groups`` decodes longer but trains at least lambda of the groups each step;
     * the sampling log-probs come from the processed scores of the step that sampled each token (as
       ``rollout_logprobs``), so the plugin provides ``sampling_logprobs``: importance-sampling plugins (tis, mis,
       icepop, m2po) then correct the stale segment; ``mask_offpolicy: true`` removes it from the loss instead (a mask,
@@ -267,7 +290,9 @@ class PartialRollout(Plugin):
         states = [copy.deepcopy(p) if p is not None else Trajectory() for p in plan]
         active = [i for i, s in enumerate(states) if not s.finished]
         max_len = trainer.max_completion_length
-        target = finish_target(len(active), self.params.finish_fraction)
+        # Rows of one prompt group sit next to each other (refill_groups), so slot i belongs to group i // G.
+        groups = [i // trainer.num_generations for i in active] if self.params.stop_unit == "groups" else None
+        target = finish_target(len(active) if groups is None else len(set(groups)), self.params.finish_fraction)
         self._last_steps = 0
         if active:
             device = trainer.accelerator.device
@@ -276,7 +301,7 @@ class PartialRollout(Plugin):
             attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0,
                                  padding_side="left").to(device)
             budgets = [max_len - len(states[i].ids) for i in active]
-            stop = StopWhenEnoughFinished(input_ids.size(1), budgets, list(trainer.eos_token_ids), target)
+            stop = StopWhenEnoughFinished(input_ids.size(1), budgets, list(trainer.eos_token_ids), target, groups)
             config = copy.deepcopy(trainer.generation_config)
             config.max_new_tokens = max(budgets)
             with (
