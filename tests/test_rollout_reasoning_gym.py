@@ -70,6 +70,24 @@ def test_family_verifier_as_reward():
                      rg_entry=[rows[0]["rg_entry"], rows[1]["rg_entry"], None]) == [1.0, 0.0, None]
 
 
+def test_each_family_scorer_is_built_once_per_reward(monkeypatch):
+    """reasoning-gym builds a dataset object (spell_backward: its word list, 28 ms) on every get_score_answer_fn call;
+    scoring a batch must not pay that per row."""
+    import reasoning_gym
+
+    built = []
+    real = reasoning_gym.get_score_answer_fn
+    monkeypatch.setattr(reasoning_gym, "get_score_answer_fn", lambda name: built.append(name) or real(name))
+    sums = reasoning_gym_dataset("train", task="basic_arithmetic", size=3, seed=0)
+    words = reasoning_gym_dataset("train", task="spell_backward", size=3, seed=0)
+    (reward,) = ReasoningGymScore().trl_ext_reward_functions(stage=None)
+    for _ in range(2):  # two batches
+        scores = reward.fn(completions=[*sums["answer"], *words["answer"], "x"],
+                           rg_entry=[*sums["rg_entry"], *words["rg_entry"], words["rg_entry"][0]])
+        assert scores == [1.0] * 6 + [0.0]
+    assert sorted(built) == ["basic_arithmetic", "spell_backward"]
+
+
 def test_credit_full_takes_away_the_substring_credit_of_the_family_scorer():
     rows = reasoning_gym_dataset("train", task="basic_arithmetic", size=1, seed=0)
     answer, entry = rows[0]["answer"], rows[0]["rg_entry"]

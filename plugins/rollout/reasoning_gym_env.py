@@ -100,6 +100,9 @@ class ReasoningGymScore(Plugin):
     @hookimpl
     def trl_ext_reward_functions(self, stage):
         column, full_only = self.params.entry_column, self.params.credit == "full"
+        # reasoning-gym builds a whole dataset object (word lists and all) for every get_score_answer_fn call: 28 ms
+        # for spell_backward, 3.6 s per 128-row batch when called per row, so each family's scorer is built once.
+        scorers: dict[str, Any] = {}
 
         def reasoning_gym(completions, **kwargs):
             from reasoning_gym import get_score_answer_fn
@@ -112,8 +115,11 @@ class ReasoningGymScore(Plugin):
                     scores.append(None)
                     continue
                 entry = json.loads(raw)
+                family = entry["metadata"]["source_dataset"]
+                if family not in scorers:
+                    scorers[family] = get_score_answer_fn(family)
                 answer = completion_text(completion).replace("<eos>", "").strip().split("\n")[0].strip()
-                score = float(get_score_answer_fn(entry["metadata"]["source_dataset"])(answer=answer, entry=entry))
+                score = float(scorers[family](answer=answer, entry=entry))
                 scores.append(float(score >= 1.0) if full_only else score)
             return scores
 
