@@ -41,6 +41,11 @@ Measured (2-core CPU, transformers 5.25; the plugin docstring has the table):
   --partial-steps 800``: 1.04 of TRL's rollout seconds per step (the same in a second run), 1.24 per trained trajectory;
   held-out 0.420 / 0.560 / 0.585 at 23.2k / 34.8k / 47.6k, 0.625 at 86.0k. (An earlier warm-up, seeds 0 and 1 at lambda
   0.75, measured matching curves and 0.52-0.59 of TRL's time per step.)
+- ``--stop-unit groups``: speed ``--fractions 0.75 0.9`` 0.85 and 1.08 of TRL's seconds per step (at 0.9 all 8 groups
+  of a call must complete); ``--held-out 400 --partial-steps 533 --fractions 0.75 --grpo-seeds 0 1 2`` 0.523 (sd 0.038;
+  0.545 / 0.480 / 0.545) against TRL's 0.508 in the same run, rollout seconds per step 1.08-1.13 of TRL's;
+  ``--held-out 400 --partial-steps 500 --fractions 0.75 --long-tail 0.1 --eval-every 100``: 1.27 of TRL's rollout
+  seconds per step, held-out 0.405 / 0.530 / 0.565 / 0.625 / 0.405 at 9.8k / 19.6k / 31.5k / 44.3k / 57.1k.
 Transformers generation decodes every row until the call ends, finished or not, so cutting decoding steps saves time
 per step but not per trained trajectory; engines that free a finished row's slot (vLLM) are where the saving is
 reported (APRIL), and the plugin does not drive them yet.

@@ -153,6 +153,7 @@ class PartialRollout(Plugin):
     lambda 0.9 + tis, 528 steps (about 47k trajectories)            0.538           0.565 0.540 0.510
     lambda 0.75 + tis, 800 steps                                    0.440           0.440 0.475 0.405
     lambda 0.75 + tis + mask_offpolicy, 800 steps                   0.268           0.245 0.255 0.305
+    lambda 0.75 ``stop_unit: groups`` + tis, 533 steps (about 62k)  0.523           0.545 0.480 0.545
     ==============================================================  ==============  =====================
 
     So the plugin's generation and loss path matches TRL (lambda 1), and deferral at lambda 0.9 learns as much per
@@ -166,7 +167,10 @@ class PartialRollout(Plugin):
     because one of its samples is long. ``mask_offpolicy`` is worse than no correction: in a deferred group the stale
     tokens are the members that finished first and the prefixes of the late ones, so the mask keeps mostly the tails of
     the long samples; the signal then depends on length, and sampled completions grew (decoding steps per call 3.2 ->
-    4.3).
+    4.3). Counting groups (``stop_unit: groups``) at lambda 0.75 defers at most a quarter of the groups (trained
+    fraction 0.90-0.93 against 0.46-0.66) and learns like TRL (0.523 against 0.508), so what costs the trajectory rule
+    its learning at 0.75 is how many groups it defers, not deferral itself; on these short answers it saves no time
+    (6.8 decoding steps per call against TRL's 7.9, rollout seconds per step 1.08-1.13 of TRL's).
 
     Time. With geometric lengths on the untrained model (``benchmarks/partial_rollout.py --fractions 0.75 0.9``: 32
     trajectories, cap 64) rollout seconds per step were 0.58 (lambda 0.75) and 0.85 (0.9) of TRL's, per trained
@@ -176,9 +180,18 @@ class PartialRollout(Plugin):
     51.2k trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and trailed (0.450 / 0.515 / 0.555 at
     24.4k / 38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 / 0.585 at 23.2k / 34.8k / 47.6k)
     but took 1.04 of TRL's rollout seconds per step (twice measured) although it decoded 48 steps per call against 64.
-    Likely, not measured apart: transformers keeps no KV cache between calls, so every resumed prefix (up to 60 tokens
-    of tail here) is prefilled again, and every row of the call is left-padded to the longest resumed input. On
-    transformers generation no lambda measured gave both the time saving and TRL's learning.
+    ``stop_unit: groups`` at lambda 0.75 on the same long tails (one seed, 500 steps) decoded 49 steps per call and
+    took 1.27 of TRL's rollout seconds per step; held-out 0.405 / 0.530 / 0.565 / 0.625 / 0.405 at 9.8k / 19.6k / 31.5k
+    / 44.3k / 57.1k trajectories (TRL: 0.490 / 0.520 / 0.630 / 0.585 at 12.8k / 25.6k / 38.4k / 51.2k). Why resuming
+    costs so much here, measured apart on the tiny model (2 CPU cores, 128 rows): transformers keeps no KV cache between
+    calls, so a resumed prefix is prefilled again, and every row of the call is left-padded to the longest resumed
+    input. 48 decoding steps take 0.23 s from inputs of 8 tokens and 0.46 s from inputs padded to 70 (TRL's 64 steps
+    from 8 tokens: 0.33 s): one 60-token prefix doubles the cost of the whole call, in prefill and in attention over the
+    padded width. Two calls, resumed rows apart from fresh ones, cost 0.11 + 0.22 s, since each decoding step has a
+    fixed cost that is then paid twice; transformers' continuous batching (``generate_batch``, no padding) took 7.2 s
+    for 128 prompts x 64 tokens against 0.39 s for padded ``generate`` on this CPU. So on transformers generation on
+    CPU no setting measured gave both the time saving and TRL's learning; engines that neither pad nor keep finished
+    rows decoding (vLLM, SGLang) are where APRIL reports it.
 
     Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
