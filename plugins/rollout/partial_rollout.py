@@ -30,7 +30,7 @@ class PartialRolloutParams(PluginParams):
                                    "and defers more groups: see the measured trade-off in the plugin docstring.")
     stop_unit: Literal["trajectories", "groups"] = Field(
         "trajectories", description="What lambda counts. trajectories: ceil(lambda * N) of the N trajectories this "
-        "call generates have finished (the issue's and APRIL's paper's wording, the default); groups: ceil(lambda * "
+        "call generates have finished (the default, ALGORITHMS.md's wording); groups: ceil(lambda * "
         "P) of the call's P prompt groups are complete, every member finished (slime's partial rollout, the code "
         "behind APRIL, which stops once rollout_batch_size whole groups are done). groups defers fewer groups per "
         "step and stops later: see the plugin docstring.")
@@ -118,8 +118,8 @@ class PartialRollout(Plugin):
       they counted, a batch of mostly waiting members would stop after one more token); a trajectory cut by
       ``max_completion_length`` counts as finished (TRL's ``clipped_ratio``). At least one trajectory finishes per
       call, so generation always progresses;
-    * what lambda counts (``stop_unit``): ``trajectories`` (the default, as the issue and APRIL's paper word it: "a
-      fraction of the batch's trajectories") or ``groups``: ``ceil(lambda * P)`` of the call's ``P`` prompt groups are
+    * what lambda counts (``stop_unit``): ``trajectories`` (the default, as ALGORITHMS.md words it: "when a fraction
+      lambda of the N x K trajectories finish") or ``groups``: ``ceil(lambda * P)`` of the call's ``P`` prompt groups are
       complete, every member finished, as slime (the code behind APRIL) stops once ``rollout_batch_size`` whole
       groups of ``over_sampling_batch_size`` are done. One long member holds back its whole group, so at the same
       lambda ``trajectories`` defers more groups (a call at lambda 0.75 can leave half of them waiting) and
