@@ -119,8 +119,8 @@ class PartialRollout(Plugin):
       ``max_completion_length`` counts as finished (TRL's ``clipped_ratio``). At least one trajectory finishes per
       call, so generation always progresses;
     * what lambda counts (``stop_unit``): ``trajectories`` (the default, as ALGORITHMS.md words it: "when a fraction
-      lambda of the N x K trajectories finish") or ``groups``: ``ceil(lambda * P)`` of the call's ``P`` prompt groups are
-      complete, every member finished, as slime (the code behind APRIL) stops once ``rollout_batch_size`` whole
+      lambda of the N x K trajectories finish") or ``groups``: ``ceil(lambda * P)`` of the call's ``P`` prompt groups
+      are complete, every member finished, as slime (the code behind APRIL) stops once ``rollout_batch_size`` whole
       groups of ``over_sampling_batch_size`` are done. One long member holds back its whole group, so at the same
       lambda ``trajectories`` defers more groups (a call at lambda 0.75 can leave half of them waiting) and
       ``groups`` decodes longer but trains at least lambda of the groups each step;
