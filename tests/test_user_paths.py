@@ -22,11 +22,17 @@ CONFIGS = Path(__file__).parent.parent / "configs"
 
 
 def test_missing_output_of_another_recipe_names_it_and_the_command(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # no runs/quickstart here, nor beside configs/ in a fresh checkout
-    recipe = CONFIGS / "grpo.yaml"
+    # The two recipes are copied out of the checkout: the lookup also searches the recipe's parent folders, where a
+    # user who ran the README's main job has runs/quickstart (the test then found it and failed).
+    configs = tmp_path / "project" / "configs"
+    configs.mkdir(parents=True)
+    for name in ("grpo.yaml", "quickstart.yaml"):
+        shutil.copy(CONFIGS / name, configs / name)
+    monkeypatch.chdir(tmp_path)  # no runs/quickstart here, nor beside the copied configs/
+    recipe = configs / "grpo.yaml"
     assert main(["validate", str(recipe)]) == 0  # validate warns: it may exist by the time training starts
     err = capsys.readouterr().err
-    producer = (CONFIGS / "quickstart.yaml").resolve()
+    producer = (configs / "quickstart.yaml").resolve()
     assert (f"warning: stages[0].model: no such model folder '{tmp_path / 'runs/quickstart/sft'}' (for "
             f"'run:quickstart/sft'): it is stage 'sft' of {producer}, not built yet (looked in "
             f"{tmp_path / 'runs/quickstart/sft'}, {producer.parent / 'runs/quickstart/sft'}" in err)
