@@ -78,7 +78,9 @@ def _catalog():
 
 def test_one_tensorboard_run_per_stage_with_heldout_results(tmp_path, recording_tensorboard):
     out = tmp_path / "myrun"
-    recipe = parse_recipe({"seed": 0, "stages": [_stage("first"), _stage("second", run_name="custom")]})
+    second = _stage("second", run_name="custom")
+    second["evaluation"] = {**second["evaluation"], "mean_at_k": 2, "temperature": 0.7}
+    recipe = parse_recipe({"seed": 0, "stages": [_stage("first"), second]})
     run_recipe(recipe, out, _catalog(), echo=lambda _m: None)
 
     dirs = sorted({w.log_dir for w in recording_tensorboard})
@@ -93,7 +95,10 @@ def test_one_tensorboard_run_per_stage_with_heldout_results(tmp_path, recording_
         evaluation = json.loads((out / stage / "eval.json").read_text())
         scalars = {e[1]: (e[2], e[3]) for e in events if e[0] == "scalar"}
         for when in ("before", "after"):
-            for key in ("accuracy", "reward_mean", "n"):
+            sampled = ("sampled_accuracy", "sampled_reward_mean", "sampled_n") if stage == "second" else ()
+            assert set(evaluation[when]) == {"accuracy", "reward_mean", "n", "samples", *sampled}
+            assert evaluation[when].get("sampled_n", 16) == 16  # 8 prompts x mean_at_k 2
+            for key in ("accuracy", "reward_mean", "n", *sampled):
                 assert scalars[f"eval/heldout_{key}_{when}"] == (evaluation[when][key], 2)  # at the last step
         # logged while the run is open, and the run is closed once, after them
         kinds = [e[0] if e[0] == "close" else e[1] for e in events]

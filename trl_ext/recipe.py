@@ -88,13 +88,18 @@ class EvaluationSpec(_Strict):
 
     ``dataset`` takes the same string shorthand as a stage's ``dataset``; for an evaluation it means the ``test``
     split of an embedded or hub dataset (a held-out evaluation on the training split would measure memorisation), and
-    the whole file for a local file."""
+    the whole file for a local file. ``mean_at_k: k`` also samples k completions per prompt at ``temperature`` and
+    reports their mean accuracy (``sampled_accuracy``, the mean@k or sampled pass@1 of RL papers), which greedy
+    decoding, always the likeliest answer, can hide: a policy made more consistent moves it and not greedy's."""
 
     dataset: DatasetSpec
     reward: str | PluginSelection
     max_new_tokens: int = Field(default=8, gt=0)
     batch_size: int = Field(default=64, gt=0)
     limit: int | None = Field(default=None, gt=0)
+    mean_at_k: int | None = Field(default=None, gt=0, description="also score this many sampled completions per "
+                                                                   "prompt (sampled_accuracy)")
+    temperature: float = Field(default=1.0, gt=0, description="sampling temperature of mean_at_k")
 
     @field_validator("dataset", mode="before")
     @classmethod

@@ -707,7 +707,8 @@ def _last_logged(metrics_path: Path) -> dict[str, Any]:
 
 
 def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: ResolvedStage) -> dict[str, Any]:
-    """Greedy held-out evaluation scored by the evaluation's reward plugin (main process; others wait)."""
+    """Greedy held-out evaluation scored by the evaluation's reward plugin, and the sampled one when the evaluation
+    asks for ``mean_at_k`` (main process; others wait)."""
     from accelerate import PartialState
 
     from trl_ext.evaluation import evaluate_generation
@@ -726,10 +727,30 @@ def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: Res
         model = trainer.accelerator.unwrap_model(trainer.model)
         result = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
                                      batch_size=ev.batch_size)
+        if ev.mean_at_k:
+            result.update(sampled_evaluation(model, tokenizer, dataset, reward_fn, ev, seed=ctx.recipe.seed or 0))
         ctx.echo(f"[trl-ext] stage {spec.name!r} held-out: " + ", ".join(f"{k}={v:.4g}" for k, v in result.items()
                                                                            if isinstance(v, (int, float))))
     state.wait_for_everyone()
     return result
+
+
+def sampled_evaluation(model, tokenizer, dataset, reward_fn, ev, seed: int) -> dict[str, Any]:
+    """``ev.mean_at_k`` sampled completions per prompt at ``ev.temperature``: their mean accuracy and reward. The draw
+    is seeded by the recipe and leaves the training's random state as it was (a forked RNG), so adding the evaluation
+    changes no training sample."""
+    import torch
+
+    from trl_ext.evaluation import evaluate_generation
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        sampled = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
+                                      batch_size=ev.batch_size, greedy=False, temperature=ev.temperature,
+                                      num_samples=ev.mean_at_k)
+    return {"sampled_accuracy": sampled["accuracy"], "sampled_reward_mean": sampled["reward_mean"],
+            "sampled_n": sampled["n"]}
 
 
 def format_summary(run_info: dict[str, Any]) -> str:
@@ -740,6 +761,8 @@ def format_summary(run_info: dict[str, Any]) -> str:
         eval_text = ""
         if "accuracy" in before and "accuracy" in after:
             eval_text = f" held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
+        if "sampled_accuracy" in before and "sampled_accuracy" in after:
+            eval_text += f", sampled {before['sampled_accuracy']:.3f} -> {after['sampled_accuracy']:.3f}"
         logged = ", ".join(f"{k}={v:.4g}" for k, v in summary.get("last_logged", {}).items())
         lines.append(f"{name:<12} {summary.get('trainer', ''):<12} steps={summary.get('global_step')} "
                      f"{logged}{eval_text} ({summary.get('seconds')} s)")
