@@ -372,6 +372,36 @@ def test_verified_self_play_recipe_raises_the_solver_and_moves_the_proposer(tmp_
     assert 0 < made["self_play/held_out_dropped"] < made["self_play/valid"] - made["self_play/kept"]
 
 
+
+@pytest.mark.slow
+def test_majority_vote_self_play_raises_the_solvers_sampled_accuracy(tmp_path):
+    """configs/self_play_chain.yaml's first round (R-Zero's majority-vote pseudo-labels, no answer key in training),
+    its solver cut to 1500 steps (about 9 min on 2 cores): the solver's held-out sampled accuracy (mean of 8 answers
+    at T = 0.7 on 500 held-out problems) rises although about 30% of its kept labels are wrong.
+
+    Measured at these settings: 0.514 -> 0.591 (checkpoints every 250 steps of the 2500-step round: 0.505, 0.496,
+    0.525, 0.568, 0.556, 0.591, ...; 0.634 at 2500), labels right 71%; greedy moves less (0.726 -> 0.722)."""
+    import json
+    from pathlib import Path
+
+    from trl_ext.catalog import Catalog
+    from trl_ext.recipe import load_raw, parse_recipe
+    from trl_ext.runner import run_recipe
+
+    raw = load_raw(Path(__file__).resolve().parents[1] / "configs" / "self_play_chain.yaml")
+    raw["stages"] = [s for s in raw["stages"] if s["name"] in ("solver_0", "proposer_0", "proposer_1", "solver_1")]
+    raw["stages"][-1]["args"] = {**raw["stages"][-1]["args"], "max_steps": 1500, "save_steps": 1500}
+    info = run_recipe(parse_recipe(raw), tmp_path, Catalog.discover(), echo=lambda _m: None)
+    assert info["status"] == "complete"
+
+    evaluation = json.loads((tmp_path / "solver_1" / "stage.json").read_text())["summary"]["eval"]
+    before, after = evaluation["before"], evaluation["after"]
+    assert before["sampled_n"] == after["sampled_n"] == 4000
+    assert after["sampled_accuracy"] > before["sampled_accuracy"] + 0.04, (before, after)
+    made = json.loads((tmp_path / "solver_1" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0.5 < made["self_play/label_accuracy"] < 0.9  # pseudo-labels, often wrong: no answer key was used
+
+
 def test_bleu_clusters_without_their_libraries_are_refused_in_one_line(monkeypatch):
     """The default BLEU clustering needs the self-play extra; without it the parameters are refused before any model
     loads, with the install command and the way out."""
