@@ -379,6 +379,30 @@ def test_evaluation_dataset_takes_the_string_shorthand(tmp_path, capsys):
     assert (file_spec.source, file_spec.split) == (local, "train")  # a file is its one split
 
 
+
+def test_sampled_evaluation_fields_are_checked_and_unused_ones_keep_old_fingerprints(tmp_path, capsys):
+    from trl_ext.recipe import parse_recipe
+
+    evaluation = {"dataset": "embedded:arithmetic", "reward": "exact_match", "max_new_tokens": 6}
+    stage = {"name": "rl", "trainer": "grpo", "model": "embedded:tiny-qwen2", "plugins": ["grpo", "exact_match"],
+             "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}}}
+    recipe = {"seed": 0, "stages": [{**stage, "evaluation": evaluation}]}
+    # The fingerprint the release before mean_at_k (08a85c6) gave this recipe: a run it finished is still complete.
+    assert parse_recipe(recipe).fingerprint() == "d061598a796e6f61"
+    assert "mean_at_k" not in parse_recipe(recipe).stages[0].as_written()["evaluation"]
+    sampled = {"seed": 0, "stages": [{**stage, "evaluation": {**evaluation, "mean_at_k": 4}}]}
+    assert parse_recipe(sampled).stages[0].as_written()["evaluation"]["mean_at_k"] == 4
+    assert parse_recipe(sampled).fingerprint() != parse_recipe(recipe).fingerprint()
+
+    for fields, expected in (({"mean_at_k": 0}, "stages[0].evaluation.mean_at_k: Input should be greater than 0"),
+                             ({"mean_at_k": 2, "temperature": 0}, "stages[0].evaluation.temperature: Input should be "
+                                                                  "greater than 0"),
+                             ({"temperature": 0.7}, "stages[0].evaluation: Value error, temperature is the sampling "
+                                                    "temperature of mean_at_k; set mean_at_k")):
+        code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "evaluation": {**evaluation, **fields}}))
+        assert_refused(code, err, expected)
+
+
 def test_output_dir_that_is_a_file(tmp_path, capsys):
     (tmp_path / "out").write_text("not a folder")
     code, _, err = cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(tmp_path / "out"))

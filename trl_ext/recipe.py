@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
 
 from trl_ext.errors import RecipeError, UnknownPluginError
 
@@ -100,6 +100,22 @@ class EvaluationSpec(_Strict):
     mean_at_k: int | None = Field(default=None, gt=0, description="also score this many sampled completions per "
                                                                    "prompt (sampled_accuracy)")
     temperature: float = Field(default=1.0, gt=0, description="sampling temperature of mean_at_k")
+
+    @model_validator(mode="after")
+    def _temperature_needs_samples(self):
+        if "temperature" in self.model_fields_set and self.mean_at_k is None:
+            raise ValueError("temperature is the sampling temperature of mean_at_k; set mean_at_k (samples per prompt)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unused_sampling(self, handler):
+        # The stage fingerprint hashes this dump: sampling fields left out while unused keep the fingerprints of runs
+        # finished before they existed, so those runs are still found complete.
+        data = handler(self)
+        if self.mean_at_k is None:
+            data.pop("mean_at_k", None)
+            data.pop("temperature", None)
+        return data
 
     @field_validator("dataset", mode="before")
     @classmethod
