@@ -378,7 +378,6 @@ def test_evaluate_generation_on_a_real_model_is_deterministic(tokenizer):
     assert model.training
 
 
-
 def test_sampled_evaluation_is_the_mean_over_k_draws_seeded_and_leaves_the_training_rng(tokenizer):
     from trl_ext.recipe import EvaluationSpec
     from trl_ext.runner import sampled_evaluation

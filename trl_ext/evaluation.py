@@ -1,5 +1,6 @@
 """Held-out evaluation by generation: decode each prompt and score the completions with a reward function."""
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,7 @@ def evaluate_generation(
     greedy: bool = True,
     temperature: float = 1.0,
     num_samples: int = 1,
+    seed: int | None = None,
 ) -> dict:
     """Generate completions for `dataset["prompt"]` and score them with `reward_fn`.
 
@@ -26,6 +28,7 @@ def evaluate_generation(
     {"accuracy": share of completions earning the full reward 1.0, "reward_mean": mean reward,
     "n": number of completions scored, "samples": the first few prompts, completions and rewards}. Greedy decoding is deterministic and ignores `temperature`
     and `num_samples` (every sample would be the same); sampling draws `num_samples` per prompt.
+    With `seed`, sampling draws from a forked RNG seeded with it, so the caller's random state is untouched.
     The model is put in eval mode for generation and given back in the mode it came in.
     """
     if num_samples < 1:
@@ -37,29 +40,31 @@ def evaluate_generation(
     # Sampling draws from the full distribution (top_k=0), as TRL's GRPO and RLOO do by default.
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0}
 
+    seeded = contextlib.nullcontext() if greedy or seed is None else _seeded_rng(seed, device)
     was_training = model.training
     model.eval()
     try:
         completions = []
-        for start in range(0, len(prompts), batch_size):
-            # Left padding puts every prompt's last token at the end, where generation continues.
-            batch = tokenizer(
-                prompts[start : start + batch_size],
-                return_tensors="pt",
-                padding=True,
-                padding_side="left",
-                add_special_tokens=False,
-            ).to(device)
-            output = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                num_return_sequences=samples,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                **sampling,
-            )
-            new_tokens = output[:, batch["input_ids"].shape[1] :]
-            completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        with seeded:
+            for start in range(0, len(prompts), batch_size):
+                # Left padding puts every prompt's last token at the end, where generation continues.
+                batch = tokenizer(
+                    prompts[start : start + batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    padding_side="left",
+                    add_special_tokens=False,
+                ).to(device)
+                output = model.generate(
+                    **batch,
+                    max_new_tokens=max_new_tokens,
+                    num_return_sequences=samples,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    **sampling,
+                )
+                new_tokens = output[:, batch["input_ids"].shape[1] :]
+                completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     finally:
         model.train(was_training)
 
@@ -82,6 +87,13 @@ def evaluate_generation(
         "samples": [{"prompt": prompt, "completion": completion, "reward": reward}
                     for prompt, completion, reward in zip(shown, completions, rewards)],
     }
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int, device: torch.device):
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _prompt_text(tokenizer, prompt) -> str:

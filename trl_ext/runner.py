@@ -737,18 +737,12 @@ def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: Res
 
 def sampled_evaluation(model, tokenizer, dataset, reward_fn, ev, seed: int) -> dict[str, Any]:
     """``ev.mean_at_k`` sampled completions per prompt at ``ev.temperature``: their mean accuracy and reward. The draw
-    is seeded by the recipe and leaves the training's random state as it was (a forked RNG), so adding the evaluation
-    changes no training sample."""
-    import torch
-
+    is seeded by the recipe on a forked RNG, so adding the evaluation changes no training sample."""
     from trl_ext.evaluation import evaluate_generation
 
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        sampled = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
-                                      batch_size=ev.batch_size, greedy=False, temperature=ev.temperature,
-                                      num_samples=ev.mean_at_k)
+    sampled = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
+                                  batch_size=ev.batch_size, greedy=False, temperature=ev.temperature,
+                                  num_samples=ev.mean_at_k, seed=seed)
     return {"sampled_accuracy": sampled["accuracy"], "sampled_reward_mean": sampled["reward_mean"],
             "sampled_n": sampled["n"]}
 
