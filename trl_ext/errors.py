@@ -25,3 +25,13 @@ class UnknownPluginError(RecipeError):
 
 class OutputDirError(TrlExtError):
     """The output directory holds another recipe's finished stages."""
+
+
+# pydantic words a validator's own message as "Value error, <message>"; the message already says what is wrong.
+_PYDANTIC_PREFIXES = {"value_error": "Value error, ", "assertion_error": "Assertion failed, "}
+
+
+def validation_message(error: dict) -> str:
+    """The text of one pydantic error (an item of ``ValidationError.errors()``), without pydantic's prefix on
+    messages that a validator raised itself."""
+    return error["msg"].removeprefix(_PYDANTIC_PREFIXES.get(error["type"], ""))

@@ -25,7 +25,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
                       model_serializer, model_validator)
 
-from trl_ext.errors import RecipeError, UnknownPluginError
+from trl_ext.errors import RecipeError, UnknownPluginError, validation_message
 
 STAGE_PREFIX = "stage:"
 RUN_PREFIX = "run:"
@@ -489,7 +489,7 @@ def parse_recipe(data: dict[str, Any]) -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError([f"{_format_loc(err['loc'])}: {err['msg']}" for err in exc.errors()]) from None
+        raise RecipeError([f"{_format_loc(err['loc'])}: {validation_message(err)}" for err in exc.errors()]) from None
 
 
 def _format_loc(loc: tuple) -> str:
@@ -591,7 +591,7 @@ def check_args_fields(args: dict[str, Any], config_cls: type, where: str) -> lis
             try:
                 args[key] = TypeAdapter(hints[key]).validate_python(value)
             except ValidationError as exc:
-                errors.append(f"{where}.args.{key}: {exc.errors()[0]['msg']} (got {value!r})")
+                errors.append(f"{where}.args.{key}: {validation_message(exc.errors()[0])} (got {value!r})")
                 continue
             except Exception:  # an annotation pydantic cannot model: leave the check to the config class
                 pass
@@ -717,7 +717,7 @@ def instantiate_plugins(stage: StageSpec, index: int, catalog) -> tuple[list, li
         except _VE as exc:
             for err in exc.errors():
                 loc = _format_loc(err["loc"])
-                message = err["msg"]
+                message = validation_message(err)
                 if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
                     fields = list(cls.Params.model_fields)
                     message = (f"not a parameter of this plugin.{did_you_mean(str(err['loc'][0]), fields)} "

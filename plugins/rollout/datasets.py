@@ -108,6 +108,7 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
     those its part does not have, as in ``multi_env``'s mixture."""
     from pydantic import ValidationError
 
+    from trl_ext.errors import validation_message
     from trl_ext.recipe import EMBEDDED_PREFIX, DatasetSpec, did_you_mean
     from trl_ext_plugins.rollout.multi_env import _catalog, _load
 
@@ -121,7 +122,7 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
         try:
             spec = DatasetSpec(**{"split": split, **part})
         except ValidationError as exc:
-            problems = "; ".join(f"parts[{index}].{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"parts[{index}].{'.'.join(map(str, e['loc']))}: {validation_message(e)}" for e in exc.errors())
             raise ValueError(f"mixture {problems}") from None
         name = spec.source.removeprefix(EMBEDDED_PREFIX)
         if spec.source.startswith(EMBEDDED_PREFIX) and name not in catalog.datasets:

@@ -11,6 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext.errors import validation_message
 from trl_ext.recipe import DatasetSpec, PluginSelection
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rollout.control_math import interleave_environments, mixture_counts
@@ -248,7 +249,7 @@ class MultiEnv(Plugin):
             return cls(cls.Params.model_validate(selection.params))
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise ValueError(f"params.{'.'.join(map(str, first['loc']))}: {first['msg']} (plugin {cls.name!r})") from None
+            raise ValueError(f"params.{'.'.join(map(str, first['loc']))}: {validation_message(first)} (plugin {cls.name!r})") from None
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
