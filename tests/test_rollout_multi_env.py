@@ -167,6 +167,34 @@ def test_training_step_logs_per_environment_metrics(tiny_trainer, catalog):
     assert shares and all(s == 0.5 for s in shares)
 
 
+def test_sampled_heldout_score_per_environment_is_the_mean_over_k_seeded_draws(tiny_trainer, catalog):
+    """``eval_mean_at_k``: each text environment's held-out score also holds the mean over k sampled answers per
+    prompt (k x n completions scored), drawn from a forked RNG seeded by the stage's seed, so the trainer's RNG stream
+    is untouched (unseeded sampling would advance it). ``eval_temperature`` alone is refused at validation."""
+    envs = [{"name": "add", "dataset": arithmetic("+", 16), "eval_dataset": arithmetic("+", 6, split="test"),
+             "rewards": ["exact_match"]},
+            {"name": "sub", "dataset": arithmetic("-", 16), "eval_dataset": arithmetic("-", 5, split="test"),
+             "rewards": ["exact_match"]}]
+    plugin = MultiEnv(MultiEnv.Params(environments=envs, eval_mean_at_k=3, eval_temperature=1.5))
+    trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1})
+    assert {env: plugin.before[env]["sampled_n"] for env in plugin.before} == {"add": 18, "sub": 15}
+    assert {env: plugin.before[env]["n"] for env in plugin.before} == {"add": 6, "sub": 5}  # greedy as before
+    state = torch.get_rng_state()
+    again = plugin.evaluate(trainer)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(0.0 <= again[env]["sampled_accuracy"] <= 1.0 for env in again)
+    greedy_only = MultiEnv(MultiEnv.Params(environments=envs))
+    assert "sampled_n" not in greedy_only.evaluate(trainer)["add"]
+
+    stage = StageSpec(trainer="grpo", model="m", dataset=arithmetic("+", 30),
+                      plugins=[{"multi_env": {"environments": envs, "eval_temperature": 0.7}}],
+                      args={"per_device_train_batch_size": 16, "num_generations": 4})
+    with pytest.raises(RecipeError) as err:
+        resolve_stage(stage, 0, catalog)
+    assert "eval_temperature is the sampling temperature of eval_mean_at_k; set eval_mean_at_k" in str(err.value)
+    assert "Value error" not in str(err.value)
+
+
 @pytest.mark.slow
 def test_recipe_run_writes_per_environment_metrics_plot_and_heldout(tmp_path):
     """Through the runner: per-environment rewards in metrics.jsonl, the per-environment plot, and held-out scores

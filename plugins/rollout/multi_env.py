@@ -78,6 +78,12 @@ class MultiEnvParams(PluginParams):
     eval_batch_size: int = Field(64, ge=1, description="Prompts per held-out generation call.")
     eval_tool_max_new_tokens: int = Field(96, ge=1, description="Tokens per turn in held-out tool episodes (greedy).")
     eval_max_tool_calls: int = Field(4, ge=0, description="Tool-call rounds per held-out tool episode.")
+    eval_mean_at_k: int | None = Field(None, ge=1, description="Also sample this many answers per held-out prompt of "
+                                       "every text environment and report their mean accuracy and reward "
+                                       "(sampled_accuracy, sampled_reward_mean: the sampled pass@1 of RL papers), "
+                                       "beside the greedy score. Tool environments are scored greedy only.")
+    eval_temperature: float | None = Field(None, gt=0.0, description="Sampling temperature of eval_mean_at_k "
+                                           "(default 1.0, TRL's GRPO default); set it with eval_mean_at_k.")
 
     @property
     def uses_tools(self) -> bool:
@@ -89,6 +95,8 @@ class MultiEnvParams(PluginParams):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"environment names must be unique; repeated: {', '.join(duplicates)}")
+        if self.eval_temperature is not None and self.eval_mean_at_k is None:
+            raise ValueError("eval_temperature is the sampling temperature of eval_mean_at_k; set eval_mean_at_k")
         return self
 
 
@@ -126,7 +134,9 @@ class MultiEnv(Plugin):
       rank since this process started: a resumed run counts from 0 again); the rest of the batch trains normally;
     * per generation batch it logs ``multi_env/<env>/share`` and ``multi_env/<env>/reward`` (mean total reward of the
       environment's scored rows, all ranks); held-out evaluation (greedy, each environment with its own rewards, main
-      process) runs before and after the stage: ``multi_env_eval.json`` and a per-environment reward-curve plot
+      process; with ``eval_mean_at_k`` also the mean over k sampled answers per prompt of each text environment, drawn
+      at ``eval_temperature`` from a forked RNG seeded by the stage's seed, so it changes no training sample) runs
+      before and after the stage: ``multi_env_eval.json`` and a per-environment reward-curve plot
       ``multi_env.png`` in the stage folder, and ``multi_env_eval`` in the run summary.
 
     Environments can be any dataset with a verifier: the embedded arithmetic task per operation, reasoning-gym task
@@ -451,6 +461,14 @@ class MultiEnv(Plugin):
             out[env.name] = evaluate_generation(model, tokenizer, data, score,
                                                 max_new_tokens=self.params.eval_max_new_tokens,
                                                 batch_size=self.params.eval_batch_size)
+            if self.params.eval_mean_at_k is not None:
+                sampled = evaluate_generation(
+                    model, tokenizer, data, score, max_new_tokens=self.params.eval_max_new_tokens,
+                    batch_size=self.params.eval_batch_size, greedy=False,
+                    temperature=self.params.eval_temperature or 1.0, num_samples=self.params.eval_mean_at_k,
+                    seed=trainer.args.seed)
+                out[env.name].update(sampled_accuracy=sampled["accuracy"], sampled_reward_mean=sampled["reward_mean"],
+                                     sampled_n=sampled["n"])
         return out
 
 
