@@ -203,6 +203,20 @@ def test_k3_is_finite_for_extreme_log_ratios():
     assert ops.kl_estimate(torch.tensor([-LOG2]), torch.tensor([0.0])).item() == pytest.approx(2 - 1 - LOG2)
 
 
+def test_k3_never_rewards_moving_further_below_the_reference():
+    """Below d = -20 (log pi far under log pi_ref) k3 may saturate but must not fall as d falls: clamping only the
+    exponent gave e^20 - 1 + d there, gradient +1, so the penalty pushed such tokens further down, and -inf at
+    log pi = -inf. Exact e^-d - 1 + d down to d = -20 (gradient 1 - e^-d), constant and >= 0 below it."""
+    logp = torch.tensor([-19.0, -21.0, -25.0, -1e4, float("-inf")], dtype=D, requires_grad=True)
+    for estimator in ("k3", "k3+"):
+        kl = ops.kl_estimate(logp, torch.zeros(5, dtype=D), estimator)
+        assert torch.isfinite(kl).all() and (kl >= 0).all()
+        assert kl[0].item() == pytest.approx(math.exp(19) - 1 - 19)
+        assert (kl[1:] >= kl[0]).all()  # non-increasing in d: further below the reference never costs less
+    (grad,) = torch.autograd.grad(ops.kl_estimate(logp, torch.zeros(5, dtype=D), "k3").sum(), logp)
+    assert grad[0].item() == pytest.approx(1 - math.exp(19)) and (grad[1:] == 0).all()
+
+
 # -- defect 4: returns and GAE skip interior masked (tool) tokens --------------------------------------------------------
 
 

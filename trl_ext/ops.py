@@ -84,8 +84,9 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
     """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs (Schulman, "Approximating KL
     divergence", 2020): ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = e^-d - 1 + d`` (TRL's and GRPO's estimator, >= 0);
     ``k3+`` = the k3 value with the k2 gradient, ``k2 + sg(k3 - k2)`` (verl's "low_var_kl+" straight-through form:
-    k2's gradient is the unbiased gradient of the KL). The exponent of k3 is clamped to +-20 (the convention-6 clamp),
-    so k3 stays finite for any d; values agree with the unclamped formula for |d| <= 20. ``clamp``: optionally clamp the
+    k2's gradient is the unbiased gradient of the KL). k3 clamps d below at -20 (the convention-6 clamp, as verl's
+    low_var_kl), so it stays finite and >= 0 for any d, exact for d >= -20 and constant (zero gradient) below; k3+
+    takes its k2 gradient from the same clamped d. ``clamp``: optionally clamp the
     estimate to [-clamp, clamp] (verl clamps k3 to +-10); ``None`` = no clamp (TRL).
     """
     d = per_token_logps - ref_per_token_logps
@@ -94,9 +95,14 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
     elif estimator == "k2":
         kl = 0.5 * d * d
     elif estimator in ("k3", "k3+"):
-        kl = torch.exp((-d).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + d
+        # Clamp d itself (not only the exponent) on the side where e^-d overflows: clamping just the exponent makes
+        # k3 = e^20 - 1 + d for d < -20, which *decreases* as d decreases (gradient +1 instead of 1 - e^-d << 0, so
+        # the penalty pushes log pi further below log pi_ref) and reaches -inf at d = -inf. With d clamped the
+        # estimate is the constant e^20 - 21 there (zero gradient, verl's low_var_kl clamp); exact for d >= -20.
+        d_k3 = d.clamp(min=-LOG_RATIO_CLAMP)
+        kl = torch.exp(-d_k3) - 1 + d_k3
         if estimator == "k3+":
-            k2 = 0.5 * d * d
+            k2 = 0.5 * d_k3 * d_k3  # the same clamp: at d = -inf an unclamped k2 would make the value inf - inf
             kl = k2 + (kl - k2).detach()
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
