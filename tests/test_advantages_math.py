@@ -32,6 +32,15 @@ def test_rloo_sums_to_zero_and_is_shift_invariant():
     assert torch.allclose(adv.rloo_advantages(rewards + 7.5, 4), a, atol=1e-12)
 
 
+def test_group_of_one_sample_gives_zero_as_trl_or_the_raw_reward_as_verl():
+    rewards = torch.tensor([1.0, 0.0, 2.0, float("nan")])
+    assert adv.group_advantages(rewards, 1).tolist() == [0.0, 0.0, 0.0, 0.0]  # TRL: R - mean(R) over one row
+    raw = adv.group_advantages(rewards, 1, single_sample="raw", eps=1e-6)  # verl: mean 0, std 1 for a lone sample
+    assert raw.tolist() == pytest.approx([1 / (1 + 1e-6), 0.0, 2 / (1 + 1e-6), 0.0])  # unscorable row: 0
+    grouped = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert adv.group_advantages(grouped, 4, single_sample="raw", eps=0.0)[0].item() == pytest.approx(1.5)  # G > 1
+
+
 def test_rloo_rejects_one_sample_per_prompt():
     with pytest.raises(ValueError, match="num_generations >= 2"):
         adv.rloo_advantages(t([1.0, 0.0]), 1)

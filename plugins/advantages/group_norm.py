@@ -22,6 +22,9 @@ class GroupNormParams(PluginParams):
     baseline: Literal["mean", "leave_one_out"] = Field(
         "mean", description="mean: the group mean (GRPO, TRL, verl); leave_one_out: the mean of the other rows "
         "(RLOO-style centre).")
+    single_sample: Literal["zero", "raw"] = Field(
+        "zero", description="Groups of one sample (num_generations 1, e.g. eval): zero (TRL) or raw (verl: mean 0, "
+        "std 1, A = R).")
 
     @model_validator(mode="after")
     def _loo_needs_group(self):
@@ -38,7 +41,9 @@ class GroupNorm(Plugin):
     the plugin exists to *name* the alternatives, ALGORITHMS.md convention 1 (``std: population`` gives 1.732 instead
     of 1.5 for the top row of [1, 0, 0, 0]; ``epsilon: 1e-6`` is verl's; ``scale: batch`` is TRL's
     ``scale_rewards=batch``; ``baseline: leave_one_out`` centres on the other rows). Unscorable rows get 0 and count in
-    no statistic; a zero-variance group gives 0.
+    no statistic; a zero-variance group gives 0. A group of one sample (``num_generations: 1``, which TRL allows only
+    in evaluation) gives 0 (TRL: R minus its own mean) or, with ``single_sample: raw``, verl's ``R / (1 + eps)`` (mean
+    0 and std 1 for a lone sample), whatever ``scale`` says.
     """
 
     name = "group_norm"
@@ -52,5 +57,5 @@ class GroupNorm(Plugin):
     def trl_ext_compute_advantages(self, rewards, batch):
         p = self.params
         out = group_advantages(rewards, batch.num_generations, scale=p.scale, std=p.std, baseline=p.baseline,
-                               eps=p.epsilon)
+                               eps=p.epsilon, single_sample=p.single_sample)
         return local(out, batch)

@@ -72,7 +72,7 @@ GROUP_STDS = ("sample", "population", "leave_one_out")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "sample",
-                     baseline: str = "mean", eps: float = 1e-4) -> torch.Tensor:
+                     baseline: str = "mean", eps: float = 1e-4, single_sample: str = "zero") -> torch.Tensor:
     """Group-relative advantages ``(R - b) / (s + eps)`` (GRPO, arXiv 2402.03300), every peer convention a switch.
 
     ``baseline``: ``mean`` (the group mean, GRPO/TRL/verl) or ``leave_one_out`` (the mean of the other rows, RLOO-style).
@@ -82,7 +82,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     the other rows; group scale only). ``eps``: added to s (TRL 1e-4, verl 1e-6). ALGORITHMS.md convention 1:
     rewards [1, 0, 0, 0] give 1.5 (sample std) vs 1.732 (population) for the top row with eps 0.
     Unscorable rows (NaN) are left out of every statistic and get 0; a zero-variance group gives 0 for every row.
+    ``single_sample`` (G = 1): ``zero`` (TRL: R - mean = 0) or ``raw`` (verl: mean 0, std 1, so A = R / (1 + eps)).
     """
+    if group_size == 1 and single_sample == "raw":
+        return torch.nan_to_num(rewards / (1.0 + eps), nan=0.0)
     grouped = _grouped(rewards, group_size)
     valid = ~torch.isnan(grouped)
     zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
