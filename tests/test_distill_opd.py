@@ -9,6 +9,7 @@ from trl_ext.embedded.models import materialize_model
 from trl_ext.errors import RecipeError
 from trl_ext.recipe import Recipe, StageSpec, validate_recipe
 from trl_ext.stage import resolve_stage
+from trl_ext_plugins.advantages.math import group_advantages
 from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill.opd import (MultiTeacherOPD, MultiTeacherParams, OPDReward, OPDRewardParams,
                                          StageTeachersParams)
@@ -93,19 +94,26 @@ def test_alpha_adds_the_trl_group_normalized_task_advantage(tiny_trainer, teache
     out = rollout(trainer)
     batch, mask = spy.batch, out["completion_mask"].bool()
     opd = full_logit_logps(teachers["a"], batch, 1.0) - full_logit_logps(trainer.model, batch, 1.0)
-    task = dm.group_normalized_advantages(spy.rewards.float(), 4)
+    task = group_advantages(spy.rewards.float(), 4)
     expected = 2.0 * opd + 0.5 * task.unsqueeze(1)
     assert torch.allclose(out["advantages"][mask], expected[mask], atol=1e-5)
 
 
-def test_task_advantage_matches_trl_grpo(tiny_trainer):
-    values = [1.0, 0.0, 0.0, 0.5, 0.2, 0.2, 0.9, 0.1]
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_task_advantage_is_trl_grpos_under_each_scale_rewards(tiny_trainer, tiny_model_dir, scale):
+    """The task term alpha * A_task is TRL GRPO's own advantage under the run's scale_rewards: TRL's trainer without
+    the plugin, and the plugin with the teacher equal to the student (so A_opd = 0), give the same advantages."""
+    values = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
 
     def reward(completions, **kwargs):
         return values[: len(completions)]
 
-    out = rollout(tiny_trainer("grpo", reward_funcs=[reward]))
-    assert torch.allclose(out["advantages"], dm.group_normalized_advantages(torch.tensor(values), 4), atol=1e-6)
+    trl = rollout(tiny_trainer("grpo", reward_funcs=[reward], args={"scale_rewards": scale}))["advantages"]
+    assert torch.allclose(trl, group_advantages(torch.tensor(values), 4, scale=scale), atol=1e-6)
+    plugin = OPDReward(OPDRewardParams(alpha=1.0), teacher=tiny_model_dir)  # the student's own starting weights
+    out = rollout(tiny_trainer("grpo", plugins=[plugin], reward_funcs=[reward], args={"scale_rewards": scale}))
+    mask = out["completion_mask"].bool()
+    assert torch.allclose(out["advantages"][mask], trl.unsqueeze(1).expand_as(out["advantages"])[mask], atol=1e-5)
 
 
 def test_composes_with_rollout_corrections(tiny_trainer, teachers):

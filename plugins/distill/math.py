@@ -130,17 +130,3 @@ def ema_update(anchor: dict[str, torch.Tensor], current: dict[str, torch.Tensor]
     with torch.no_grad():
         for name, value in anchor.items():
             value.mul_(1.0 - rate).add_(current[name].detach().to(value.dtype), alpha=rate)
-
-
-def group_normalized_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
-    """TRL GRPO's task advantage: ``(r - mean_group) / (std_group + 1e-4)`` (unbiased std; ``scale=False``: no
-    division), ``(N,)``. Unscorable (NaN) rows are left out of the group statistics and get 0."""
-    grouped = rewards.view(-1, group_size)
-    mean = torch.nanmean(grouped, dim=1, keepdim=True)
-    centred = grouped - mean
-    if scale:
-        valid = ~torch.isnan(grouped)
-        count = valid.sum(dim=1, keepdim=True)
-        var = torch.where(valid, centred, torch.zeros_like(centred)).pow(2).sum(1, keepdim=True) / (count - 1).clamp(min=1)
-        centred = centred / (var.sqrt() + 1e-4)
-    return torch.nan_to_num(centred.reshape(-1), nan=0.0)

@@ -13,8 +13,8 @@ stage's other plugins and TRL, so every correction composes with them. Conventio
 * The teacher scores only the sampled tokens: one teacher forward per batch with TRL's fused LM head (see
   :mod:`trl_ext_plugins.distill.teachers`), never ``[batch, tokens, vocabulary]`` logits; or, for a teacher served
   by vLLM (``vllm:<url>``), one request per batch returning the sampled tokens' log-probabilities.
-* ``A_task`` is TRL GRPO's group-normalised reward advantage (``(r - mean) / (std + 1e-4)``, or without the division
-  when ``args.scale_rewards`` is ``none``), broadcast to every token; ``alpha = 0`` (default) is pure distillation,
+* ``A_task`` is TRL GRPO's reward advantage under the run's ``args.scale_rewards``: ``(r - group mean) / (std +
+  1e-4)`` with the group's std (``group``, the default) or the whole batch's (``batch``), or no division (``none``), broadcast to every token; ``alpha = 0`` (default) is pure distillation,
   which needs no reward signal (a reward plugin is still required by the GRPO trainer; its rewards are then only
   logged). Advantages are detached.
 * Routing: each row goes to exactly one teacher, chosen by its dataset columns; a row is only ever fed to its own
@@ -32,6 +32,7 @@ from pydantic import Field, field_validator
 from trl_ext import Plugin, PluginParams, Slot, hookimpl
 from trl_ext.plugin import Need
 from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX
+from trl_ext_plugins.advantages.math import group_advantages
 from trl_ext_plugins.advantages.rollout import rank_reduce, sampling_policy_logps
 from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill import teachers as tch
@@ -165,8 +166,9 @@ class _OPDBase(Plugin):
                                  torch.tensor(weights, device=student.device))
         task = None
         if self.params.alpha > 0:
-            scale = getattr(getattr(batch.trainer, "args", None), "scale_rewards", "group") != "none"
-            task = dm.group_normalized_advantages(rewards.float(), batch.num_generations, scale)[batch.process_slice]
+            # TRL's GRPO advantage under the run's own scale_rewards (group | batch | none).
+            scale = getattr(getattr(batch.trainer, "args", None), "scale_rewards", "group")
+            task = group_advantages(rewards.float(), batch.num_generations, scale=scale)[batch.process_slice]
         advantages = dm.combine_advantages(opd, task, self.params.alpha, self.params.coef)
         valid = mask.bool()
         gap = torch.where(valid, teacher - student, torch.zeros_like(student))
