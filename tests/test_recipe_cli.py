@@ -208,6 +208,15 @@ def test_dpo_options_the_plugin_path_would_ignore_are_refused(tmp_path, capsys):
             "plugins": ["dpo"], "args": {"ld_alpha": 0.5}}
     code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
     assert code == 2 and "stages[0].args.ld_alpha" in err and "'dpo'" in err
+    # TRL's loss_type / loss_weights choose TRL's loss (e.g. Tulu 3's sigmoid_norm); the plugin's loss would win silently
+    for args, key in (({"loss_type": ["sigmoid_norm"]}, "loss_type"), ({"loss_type": ["hinge"]}, "loss_type"),
+                      ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0]}, "loss_weights"),
+                      ({"loss_weights": [0.5]}, "loss_weights")):
+        code, _, err = run_cli(capsys, "validate", write(tmp_path, {**data, "args": args}))
+        assert code == 2 and f"stages[0].args.{key}: TRL's DPO option has no effect" in err, (args, err)
+    for neutral in ({"loss_type": ["sigmoid"]}, {"loss_type": ["sigmoid"], "loss_weights": [1.0]}):
+        code, _, err = run_cli(capsys, "validate", write(tmp_path, {**data, "args": neutral}))
+        assert code == 0, (neutral, err)
 
 
 def test_missing_optional_package_is_a_validation_error(tmp_path, capsys, monkeypatch):

@@ -26,7 +26,16 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 # DPOConfig options that change TRL's own preference loss; the plugin path computes summed log-probs and leaves the
 # loss to the plugin, so these would be silently ignored there.
 DPO_OPTIONS_NOT_IN_PLUGIN_PATH = {"ld_alpha": None, "f_divergence_type": "reverse_kl", "use_weighting": False,
-                                  "label_smoothing": 0.0}
+                                  "label_smoothing": 0.0, "loss_type": ["sigmoid"], "loss_weights": None}
+
+
+def _is_neutral(key: str, value) -> bool:
+    """Whether an option's value leaves TRL's loss as the plugin path computes it (plain sigmoid DPO, one term)."""
+    if key == "loss_type":  # a string or a list of TRL loss names
+        return ([value] if isinstance(value, str) else list(value)) == ["sigmoid"]
+    if key == "loss_weights":  # one weight per loss_type term
+        return value is None or [float(w) for w in value] == [1.0]
+    return value == DPO_OPTIONS_NOT_IN_PLUGIN_PATH[key]
 
 
 def check_dpo_stage(host, stage, args: dict, where: str) -> list[str]:
@@ -35,7 +44,7 @@ def check_dpo_stage(host, stage, args: dict, where: str) -> list[str]:
     if owner is None:
         return []
     return [f"{where}.args.{key}: TRL's DPO option has no effect with the preference-loss plugin {owner.name!r}; "
-            f"remove it" for key, neutral in DPO_OPTIONS_NOT_IN_PLUGIN_PATH.items() if key in args and args[key] != neutral]
+            f"remove it" for key in DPO_OPTIONS_NOT_IN_PLUGIN_PATH if key in args and not _is_neutral(key, args[key])]
 
 
 class ExtDPOTrainer(HostMixin, DPOTrainer):
@@ -58,6 +67,8 @@ class ExtDPOTrainer(HostMixin, DPOTrainer):
             return super()._compute_loss(model, inputs, return_outputs)
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
+        if self.aux_loss_enabled:  # MoE: as TRL, ask for router logits so the model returns its load-balancing loss
+            model_kwargs["output_router_logits"] = True
         completion_mask = inputs["completion_mask"]
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
         outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
@@ -85,6 +96,9 @@ class ExtDPOTrainer(HostMixin, DPOTrainer):
         )
         per_example = self.plugin_host.hook.trl_ext_preference_loss(inputs=pref)
         loss = per_example.mean()
+        if self.aux_loss_enabled:  # TRL's DPO adds router_aux_loss_coef * aux_loss; keep it on the plugin path
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss
+            pref.metrics["aux_loss"] = outputs.aux_loss.detach().item()
         self._log_preference_metrics(pref)
         return loss
 
