@@ -113,6 +113,10 @@ def test_qrpo_quantile_partition_and_loss():
     assert pm.qrpo_log_partition(0.1, exact=True) == pytest.approx(7.697370, abs=1e-6)
     assert pm.qrpo_log_partition(0.1, exact=False) == pytest.approx(7.697415, abs=1e-6)
     assert pm.qrpo_log_partition(0.5, exact=True) == pytest.approx(math.log(0.5 * (math.exp(2.0) - 1)), abs=1e-12)
+    # large beta: beta * log Z = 1/2 + 1/(24 beta) + O(beta^-2) (series of log(beta (e^{1/beta} - 1))); the loss scales
+    # log Z by beta, and log1p(-exp(-1/beta)) lost it to cancellation (1.6e-5 off at 1e6)
+    for beta in (1e3, 1e6):
+        assert beta * pm.qrpo_log_partition(beta) == pytest.approx(0.5 + 1 / (24 * beta), abs=1e-7)
     loss = pm.qrpo_loss(r_q, t(0.0), 0.1, pm.qrpo_log_partition(0.1))
     assert loss.item() == pytest.approx((0.75 - 0.769737) ** 2, abs=1e-8)
     assert loss.item() == pytest.approx(0.000390, abs=1e-6)

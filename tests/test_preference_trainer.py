@@ -255,6 +255,20 @@ def test_nan_rewards_and_short_reference_rewards_rejected():
     assert _prepare(QRPO(), data) is None
 
 
+def test_missing_reference_rewards_inside_a_list_are_nan_in_the_batch():
+    """A None inside ``ref_rewards`` counts as missing in the dataset check (the row keeps 2 values, so it passes), so
+    the collator must hand the loss a NaN there (ignored by the quantile), not crash on torch.tensor([.., None, ..])."""
+    from trl_ext_plugins.preference.common import Column, ColumnCollator
+
+    data = _with_rewards(2).map(lambda row, i: {"ref_rewards": [0.1, None, 0.5] if i == 0 else [0.2, 0.4]},
+                                with_indices=True)
+    assert _prepare(QRPO(), data) is None
+    collate = ColumnCollator(base=lambda examples: {}, columns=(Column("ref_rewards", is_list=True, min_items=2),))
+    batch = collate([data[0], data[1]])["ref_rewards"]
+    assert torch.equal(torch.isnan(batch), torch.tensor([[False, True, False], [False, False, True]]))
+    assert pm.quantile_reward(torch.tensor([0.3, 0.3]), batch).tolist() == pytest.approx([0.5, 0.5])
+
+
 def test_reference_free_refuses_ref_model():
     stage = _stage(ref_model="some/model")
     assert any("reference-free" in e for e in SimPO().trl_ext_validate_stage(stage=stage, plugins=[]))

@@ -49,7 +49,8 @@ class ColumnCollator:
             values = [example[column.name] for example in examples]
             if column.is_list:
                 width = max(len(v) for v in values)
-                values = [list(v) + [math.nan] * (width - len(v)) for v in values]
+                # None inside a list is a missing value (counted so by the dataset check): NaN, like the padding
+                values = [[math.nan if x is None else x for x in v] + [math.nan] * (width - len(v)) for v in values]
             out[column.name] = torch.tensor(values, dtype=torch.float32)
         return out
 

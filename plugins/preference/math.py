@@ -95,10 +95,11 @@ def quantile_reward(rewards: torch.Tensor, ref_rewards: torch.Tensor) -> torch.T
 def qrpo_log_partition(beta: float, exact: bool = True) -> float:
     """``log Z`` for a uniform quantile reward: ``log(beta (e^{1/beta} - 1))`` exactly, or ``log beta + 1/beta``.
 
-    The exact form is written as ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays finite for small ``beta``.
+    The exact form is written as ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays finite for small ``beta``;
+    ``1 - e^{-1/beta}`` is ``-expm1(-1/beta)`` so it keeps full precision for large ``beta`` too.
     """
     approx = math.log(beta) + 1.0 / beta
-    return approx + math.log1p(-math.exp(-1.0 / beta)) if exact else approx
+    return approx + math.log(-math.expm1(-1.0 / beta)) if exact else approx
 
 
 def qrpo_loss(quantile_rewards: torch.Tensor, logratios: torch.Tensor, beta: float, log_partition: float) -> torch.Tensor:
