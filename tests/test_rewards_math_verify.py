@@ -22,6 +22,20 @@ CASES = [  # (completion, gold, expected reward)
     ("", "5", 0.0),
     ("no number here", "5", 0.0),
     (r"\boxed{2}", "not a number", None),
+    # Gold answers as MATH / DAPO / verl datasets store them: bare LaTeX, no $...$. Read as written they parsed to a
+    # prefix (2 of 2\sqrt{3}, so \boxed{2} scored right) or to nothing (the row went unscored).
+    (r"\boxed{2\sqrt{3}}", r"2\sqrt{3}", 1.0),
+    (r"\boxed{2}", r"2\sqrt{3}", 0.0),
+    (r"\boxed{1024}", r"2^{10}", 1.0),
+    (r"\boxed{2}", r"2^{10}", 0.0),
+    (r"\boxed{(1, 2)}", "(1, 2)", 1.0),
+    (r"\boxed{2}", "(1, 2)", 0.0),
+    (r"\boxed{\pi}", r"\pi", 1.0),
+    (r"\boxed{\dfrac{3}{4}}", r"\dfrac{3}{4}", 1.0),
+    (r"\boxed{\frac{1+\sqrt{5}}{2}}", r"\frac{1+\sqrt{5}}{2}", 1.0),
+    (r"\boxed{x+y}", "x + y", 1.0),
+    (r"\boxed{xy}", "x + y", 0.0),
+    ("42", "Answer is forty two.", None),  # prose, not LaTeX: still unparsable
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any
 
@@ -30,6 +31,31 @@ def completion_text(completion: Any) -> str:
     return ""
 
 
+_DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed|\\fbox")
+
+
+def parse_gold(answer: str, config: list, parsing_timeout: int | None = 5) -> list:
+    """The gold answer parsed as math-verify reads it.
+
+    Datasets (MATH, DAPO-Math, verl's ``ground_truth``) store the gold answer as bare LaTeX without ``$...$``
+    (``2\\sqrt{3}``, ``2^{10}``, ``(1, 2)``, ``\\pi``). Parsed as is, LaTeX extraction finds no anchor and the
+    plain-expression extractor reads a prefix (``2`` of ``2\\sqrt{3}``) or nothing, so correct answers score wrong,
+    wrong ones right, or the row is dropped. An undelimited gold that is not prose is therefore read as
+    ``\\boxed{gold}`` first (verl's ``math_verify.compute_score`` does the same); the plain parse is the fallback.
+    """
+    from math_verify import LatexExtractionConfig, parse
+
+    text = answer.strip()
+    # Two words of letters ("not a number", "Answer is forty two") are prose, not LaTeX; single letters are variables.
+    prose = sum(word.isalpha() and len(word) > 1 for word in text.split()) >= 2
+    if text and not prose and not _DELIMITED.search(text):
+        gold = parse("\\boxed{" + text + "}", extraction_config=[LatexExtractionConfig()],
+                     parsing_timeout=parsing_timeout)
+        if len(gold) >= 2:  # a sympy value was read (a lone string: LaTeX it could not interpret)
+            return gold
+    return parse(answer, extraction_config=config, parsing_timeout=parsing_timeout)
+
+
 def math_verify_scores(completions: list[Any], answers: list[Any], parsing_timeout: int | None = 5,
                        verify_timeout: int | None = 5) -> list[bool | None]:
     """Per completion: True/False equivalence, or None when the gold answer cannot be parsed.
@@ -45,7 +71,7 @@ def math_verify_scores(completions: list[Any], answers: list[Any], parsing_timeo
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     out: list[bool | None] = []
     for completion, answer in zip(completions, answers, strict=True):
-        gold = parse(str(answer), extraction_config=config, parsing_timeout=parsing_timeout)
+        gold = parse_gold(str(answer), config, parsing_timeout)
         if not gold:
             out.append(None)
             continue
@@ -60,7 +86,9 @@ class MathVerify(Plugin):
     Uses the math-verify package (``parse`` + ``verify``, sympy-backed), which normalises LaTeX, ``\\boxed{}``,
     fractions, decimals, percentages and symbolic expressions: ``\\boxed{1/2}`` == ``0.5``. Reward ``correct_reward``
     (default 1.0, the RLVR 1/0 scale; Tulu 3 uses 10, DAPO +-1 via ``wrong_reward=-1``) or ``wrong_reward``.
-    Conventions: the gold answer is parsed with the same extractors as the completion; a gold answer math-verify
+    Conventions: the gold answer is parsed with the same extractors as the completion, except that a gold answer
+    without math delimiters that is not prose (bare LaTeX as MATH, DAPO-Math and verl datasets store it: ``2\sqrt{3}``,
+    ``2^{10}``) is read as ``\boxed{gold}`` first, as verl's math_verify scorer does; a gold answer math-verify
     cannot parse gives ``None`` for that row (TRL ignores the function there; other rewards still score it); an
     empty/unparsable completion is wrong. Timeouts (SIGALRM) apply only in the main thread, as in TRL's
     ``accuracy_reward``, which this differs from by also accepting plain (non-LaTeX) answers on both sides. Requires
