@@ -170,6 +170,28 @@ def test_generate_use_mtp_drafts_with_the_saved_heads(trained):
     assert 0 <= figures.accepted <= figures.drafted
 
 
+def test_a_draft_the_trunk_always_agrees_with_scores_full_acceptance_at_any_budget(trained, tmp_path):
+    """With every output head zeroed all logits tie, so trunk and MTP head both pick token 0 and every draft that fits
+    is accepted: rate 1 and length 1 whatever max_new_tokens is. transformers drafts one token even when only the
+    trunk's token fits before max_length, then crops it; counting that draft as rejected gave 0.5 at 4 new tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "agree"
+    shutil.copytree(trained[4], folder)
+    assert AutoTokenizer.from_pretrained(folder).eos_token_id != 0
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        tensors = {k: torch.zeros_like(v) if ("embed_tokens" in k or "head" in k) else v for k, v in tensors.items()}
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    for new_tokens in (4, 5, 8):
+        figures = measure_acceptance(folder, ["12+3="], max_new_tokens=new_tokens)
+        assert figures.drafted > 0, new_tokens
+        assert (figures.acceptance_rate, figures.acceptance_length) == (1.0, 1.0), (new_tokens, figures)
+
+
 def test_teacher_forced_depth_logits_equal_transformers_drafts(trained):
     """The training forward feeds the MTP layer the inputs transformers' drafting loop gives it: each logit vector
     transformers drafts during generate(use_mtp=True) equals the trainer's at the same position."""

@@ -51,8 +51,12 @@ def summarize(records: list[tuple[int, int]], prompts: int) -> Acceptance:
                       prompts=prompts)
 
 
-def _observe_acceptance(model, records: list[tuple[int, int]]) -> None:
-    """Make every candidate generator ``model.generate`` builds report (drafted, accepted) per step into ``records``."""
+def _observe_acceptance(model, records: list[tuple[int, int]], limit: dict | None = None) -> None:
+    """Make every candidate generator ``model.generate`` builds report (drafted, accepted) per step into ``records``.
+
+    ``limit["max_length"]`` (set per ``generate`` call) is the sequence length generation stops at: transformers drafts
+    ``num_mtp_layers`` tokens even when fewer fit before it and then crops the accepted ones to the budget, so only the
+    drafts that could have been accepted (``budget - 1``, one slot being the trunk's own token) count as drafted."""
     build = model._get_candidate_generator
 
     def build_and_observe(*args, **kwargs):
@@ -60,7 +64,12 @@ def _observe_acceptance(model, records: list[tuple[int, int]]) -> None:
         update = generator.update_candidate_strategy
 
         def update_and_record(input_ids, scores, num_matches):
-            records.append((int(scores.shape[1]) - 1, int(num_matches)))
+            drafted = int(scores.shape[1]) - 1
+            max_length = (limit or {}).get("max_length")
+            if max_length is not None:
+                start = int(input_ids.shape[1]) - int(num_matches) - 1  # length before this step's tokens
+                drafted = max(min(drafted, max_length - start - 1), 0)
+            records.append((drafted, int(num_matches)))
             return update(input_ids, scores, num_matches)
 
         generator.update_candidate_strategy = update_and_record
@@ -86,13 +95,15 @@ def measure_acceptance(model_dir: str | Path, prompts: list, max_new_tokens: int
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     records: list[tuple[int, int]] = []
-    _observe_acceptance(model, records)
+    limit: dict = {}
+    _observe_acceptance(model, records, limit)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else \
         {"do_sample": False}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for prompt in prompts:
             ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=model.device)
+            limit["max_length"] = ids.shape[1] + max_new_tokens
             model.generate(ids, attention_mask=torch.ones_like(ids), use_mtp=True, max_new_tokens=max_new_tokens,
                            pad_token_id=tokenizer.pad_token_id, **sampling)
     return summarize(records, len(prompts))
