@@ -7,6 +7,7 @@ import torch
 
 from trl_ext_plugins.merge.math import (
     ArchitectureMismatchError,
+    NonFiniteWeightsError,
     ZeroTaskVectorError,
     average_state_dicts,
     check_same_tensors,
@@ -128,6 +129,30 @@ def test_average_state_dicts_numbers_and_buffers():
     assert torch.equal(same["w"], a["w"])
     half = {"w": torch.tensor([1.0, 3.0], dtype=torch.bfloat16)}
     assert average_state_dicts([half, half])["w"].dtype == torch.bfloat16
+
+
+def test_average_state_dicts_refuses_what_it_cannot_average_naming_the_tensor():
+    """Shapes that would broadcast ((3, 4) with (4,)), a tensor only one model has, a float tensor that is an integer
+    one elsewhere, and NaN or Inf weights: each is refused, never averaged into a model that loads."""
+    a = {"w": torch.ones(3, 4), "b": torch.zeros(2)}
+    with pytest.raises(ArchitectureMismatchError, match=r"'w' has shape \[4\] in 'model 1' but \[3, 4\] in 'model 0'"):
+        average_state_dicts([a, {"w": torch.ones(4), "b": torch.zeros(2)}])
+    with pytest.raises(ArchitectureMismatchError, match="tensor 'extra' is in 'model 1' but not in 'model 0'"):
+        average_state_dicts([a, {**a, "extra": torch.ones(1)}])
+    with pytest.raises(ArchitectureMismatchError, match="'b' is torch.int64 in 'model 1'"):
+        average_state_dicts([a, {**a, "b": torch.zeros(2, dtype=torch.int64)}])
+    for bad in (math.nan, math.inf):
+        with pytest.raises(NonFiniteWeightsError, match="'b' holds NaN or Inf in 'model 1'"):
+            average_state_dicts([a, {**a, "b": torch.tensor([0.0, bad])}])
+
+
+def test_non_finite_task_vectors_are_refused_in_both_slerp_forms():
+    """max(-1, min(1, nan)) is 1, so the Gram form took a NaN tensor for parallel vectors and interpolated it
+    linearly into the output, while the vector form returned NaN coefficients: both now refuse it."""
+    with pytest.raises(NonFiniteWeightsError):
+        slerp_fold_coefficients(torch.tensor([[1.0, math.nan], [math.nan, 1.0]]))
+    with pytest.raises(NonFiniteWeightsError):
+        slerp_coefficients(torch.tensor([1.0, 0.0]), torch.tensor([math.nan, 1.0]), 0.5)
 
 
 def test_check_same_tensors_names_the_tensor():

@@ -2,6 +2,8 @@
 refused naming the tensor, output loadable by from_pretrained; the merge stages of both plugins on fake runs."""
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,10 @@ from trl_ext.recipe import StageSpec
 from trl_ext_plugins.merge.checkpoint_average import CheckpointAverage, CheckpointAverageParams
 from trl_ext_plugins.merge.math import (
     ArchitectureMismatchError,
+    NonFiniteWeightsError,
     ZeroTaskVectorError,
     average_state_dicts,
+    slerp_fold_coefficients,
 )
 from trl_ext_plugins.merge.streaming import stream_merge, weight_files
 from trl_ext_plugins.merge.warp import Warp, WarpParams
@@ -121,6 +125,33 @@ def test_mismatched_architectures_are_refused_naming_the_tensor(family, tmp_path
     assert not (out / "model.safetensors").exists()  # refused before writing anything
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         stream_merge([family["runs"][0], tmp_path], out, lambda _n, _g: [1.0, 0.0])
+
+
+def _slerp_weights(_name, gram):
+    coefficients, _ = slerp_fold_coefficients(gram)
+    return [1.0 - sum(coefficients), *coefficients]
+
+
+def test_non_finite_weights_and_integer_for_float_tensors_are_refused_naming_tensor_and_source(family, tmp_path):
+    weights = _weights(family["runs"][1])
+    name = sorted(k for k in weights if weights[k].is_floating_point())[0]
+    broken = tmp_path / "nan"
+    broken.mkdir()
+    save_file({**weights, name: weights[name].clone().index_fill_(0, torch.tensor([0]), math.nan)},
+              str(broken / "model.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    sources = [family["runs"][0], broken]
+    with pytest.raises(NonFiniteWeightsError, match=f"tensor '{re.escape(name)}' holds NaN or Inf in '{broken}'"):
+        stream_merge(sources, out, lambda _n, _g: [0.5, 0.5], who="checkpoint_average")
+    with pytest.raises(NonFiniteWeightsError):  # the WARP path (Gram of the task vectors) refuses it too
+        stream_merge([family["init"], family["runs"][0], broken], out, _slerp_weights, gram=True, who="warp")
+    integer = tmp_path / "int"
+    integer.mkdir()
+    save_file({**weights, name: weights[name].to(torch.int64)}, str(integer / "model.safetensors"))
+    with pytest.raises(ArchitectureMismatchError, match=f"tensor '{re.escape(name)}' is I64 in '{integer}'"):
+        stream_merge([family["runs"][0], integer], out, lambda _n, _g: [0.5, 0.5], who="checkpoint_average")
+    assert not (out / "model.safetensors").exists()
 
 
 class _FakeTrainer:

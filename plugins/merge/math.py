@@ -23,6 +23,10 @@ class ZeroTaskVectorError(ValueError):
     """A task vector of one tensor is exactly zero, so its angle (and SLERP) is undefined."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """A tensor to be merged holds NaN or Inf, so every merge of it (average, angle, SLERP) is undefined."""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Weights of an average
 # ----------------------------------------------------------------------------------------------------------------
@@ -71,6 +75,8 @@ def weighted_average(tensors: Sequence[torch.Tensor], weights: Sequence[float],
 def coefficients_from_cos(cos: float, t: float, colinear_threshold: float = 0.9995) -> tuple[float, float, bool]:
     """SLERP's ``(sin((1-t) W) / sin W, sin(t W) / sin W)`` for ``cos W``, or ``(1-t, t)`` when ``|cos W|`` exceeds the
     threshold (see :func:`slerp_coefficients`); the flag says whether the linear fallback was used."""
+    if not math.isfinite(cos):
+        raise NonFiniteWeightsError(f"the cosine between two task vectors is {cos} (NaN or Inf in the weights)")
     if abs(cos) > colinear_threshold:
         return 1.0 - t, t, True
     omega = math.acos(cos)
@@ -140,6 +146,8 @@ def slerp_fold_coefficients(gram: torch.Tensor, t: float | None = None,
     is zero.
     """
     g = gram.to(torch.float64)
+    if not bool(torch.isfinite(g).all()):
+        raise NonFiniteWeightsError("the task vectors' Gram matrix is not finite (NaN or Inf in the weights)")
     m_total = g.shape[0]
     if t is not None and m_total != 2:
         raise ValueError(f"an explicit SLERP t applies to exactly 2 task vectors, got {m_total}")
@@ -201,10 +209,19 @@ def average_state_dicts(state_dicts: Sequence[Mapping[str, torch.Tensor]],
     (:mod:`trl_ext_plugins.merge.streaming`) applies the same rule tensor by tensor from files.
     """
     w = normalized_weights(len(state_dicts), weights)
+    names = [f"model {i}" for i in range(len(state_dicts))]
+    check_same_tensors([{k: tuple(v.shape) for k, v in sd.items()} for sd in state_dicts], names, "average")
     out = {}
     for key, reference in state_dicts[base].items():
         if not reference.is_floating_point():
             out[key] = reference.clone()
-        else:
-            out[key] = weighted_average([sd[key] for sd in state_dicts], w, reference.dtype)
+            continue
+        tensors = [sd[key] for sd in state_dicts]
+        for name, t in zip(names, tensors):
+            if not t.is_floating_point():
+                raise ArchitectureMismatchError(f"average: {key!r} is {t.dtype} in {name!r} but {reference.dtype} "
+                                                f"in {names[base]!r}")
+            if not bool(torch.isfinite(t).all()):
+                raise NonFiniteWeightsError(f"average: {key!r} holds NaN or Inf in {name!r}")
+        out[key] = weighted_average(tensors, w, reference.dtype)
     return out

@@ -25,7 +25,12 @@ from pathlib import Path
 
 import torch
 
-from trl_ext_plugins.merge.math import check_same_tensors, weighted_average
+from trl_ext_plugins.merge.math import (
+    ArchitectureMismatchError,
+    NonFiniteWeightsError,
+    check_same_tensors,
+    weighted_average,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,6 +75,11 @@ def check_sources(sources: Sequence[str | Path], who: str) -> list[dict[str, Ten
     """Tensor indexes of all sources, refusing mismatched names or shapes (the error names the tensor)."""
     indexes = [tensor_index(s) for s in sources]
     check_same_tensors([{k: v.shape for k, v in idx.items()} for idx in indexes], [str(s) for s in sources], who)
+    for key, info in indexes[0].items():  # float vs integer/bool is an architecture difference, not a precision one
+        for source, idx in zip(sources[1:], indexes[1:]):
+            if (idx[key].dtype in FLOAT_CODES) != (info.dtype in FLOAT_CODES):
+                raise ArchitectureMismatchError(f"{who}: tensor {key!r} is {idx[key].dtype} in {str(source)!r} but "
+                                                f"{info.dtype} in {str(sources[0])!r}")
     return indexes
 
 
@@ -151,6 +161,9 @@ def stream_merge(sources: Sequence[str | Path], out_dir: str | Path, weights_fn:
             out = None
             for rows in row_chunks(info.shape, chunk_elements):
                 pieces = [read_rows(src, idx[name], name, rows) for src, idx in zip(sources, indexes)]
+                for src, piece in zip(sources, pieces):
+                    if not bool(torch.isfinite(piece).all()):
+                        raise NonFiniteWeightsError(f"{who}: tensor {name!r} holds NaN or Inf in {str(src)!r}")
                 if out is None:
                     out = torch.empty(info.shape, dtype=pieces[base].dtype)
                 merged = weighted_average(pieces, weights, out.dtype)

@@ -11,7 +11,7 @@ from pydantic import Field
 from transformers import TrainerCallback
 
 from trl_ext import Plugin, PluginParams, hookimpl
-from trl_ext_plugins.merge.math import ZeroTaskVectorError, slerp_fold_coefficients
+from trl_ext_plugins.merge.math import NonFiniteWeightsError, ZeroTaskVectorError, slerp_fold_coefficients
 from trl_ext_plugins.merge.refs import on_main_then_wait, resolve_source
 from trl_ext_plugins.merge.streaming import stream_merge
 
@@ -83,6 +83,9 @@ def warp_weights(eta: float, slerp_t: float | None, colinear_threshold: float, z
 
     def weights(name: str, gram: torch.Tensor) -> list[float]:
         m = gram.shape[0]
+        if not bool(torch.isfinite(gram).all()):
+            raise NonFiniteWeightsError(f"warp: tensor {name!r} holds NaN or Inf in theta_init or a run "
+                                        f"(its task vectors' Gram matrix is {gram.tolist()})")
         try:
             for i, run in enumerate(run_names):
                 if gram[i, i] == 0:
