@@ -45,6 +45,7 @@ def test_mtp_healing_recipe_end_to_end(tmp_path):
     run = tmp_path / "run"
     info = run_recipe(parse_recipe(_shrunk()), run, Catalog.discover(), echo=lambda _m: None)
     assert info["status"] == "complete"
+    assert not list(run.rglob(".mtp-before-*"))  # the "before" copy is saved in the stage folder and removed
     mtp_sft, heal = info["stages"]["mtp_sft"], info["stages"]["heal"]
     assert {"mtp_acceptance_before", "mtp_acceptance_after"} <= set(mtp_sft)
     assert "mtp_acceptance_heads_from" not in mtp_sft  # fresh heads there

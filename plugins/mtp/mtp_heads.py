@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,7 @@ from trl_ext.recipe import DatasetSpec, StageSpec
 SAMPLES_FILE = "mtp_samples.jsonl"
 FIGURES_FILE = "mtp_acceptance.json"
 PLOT_FILE = "mtp_acceptance.png"
+BEFORE_PREFIX = ".mtp-before-"  # the starting model, saved for the "before" measurement
 
 
 class MtpHeadsParams(PluginParams):
@@ -131,7 +133,13 @@ class MtpHeads(Plugin):
             prompts = self._held_out_prompts(ctx)
             if heads_from:
                 self._figures["heads_from"] = self._measure(heads_from, prompts, trainer.args.seed)
-            with tempfile.TemporaryDirectory() as tmp:
+            # The starting model is saved inside the stage's own folder, never the system temp directory; a copy
+            # left by a run killed here is removed when the stage starts again.
+            scratch = Path(trainer.args.output_dir)
+            scratch.mkdir(parents=True, exist_ok=True)
+            for stale in scratch.glob(f"{BEFORE_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            with tempfile.TemporaryDirectory(dir=scratch, prefix=BEFORE_PREFIX) as tmp:
                 trainer.save_model(tmp)
                 self._figures["before"] = self._measure(tmp, prompts, trainer.args.seed)
         PartialState().wait_for_everyone()
