@@ -422,6 +422,21 @@ def test_cosine_beyond_max_length(beyond, expected):
     assert got.tolist() == pytest.approx(expected, abs=1e-12)
 
 
+def test_cosine_truncated_rule_scores_a_cut_completion_as_exceeding():
+    """Yeo et al.'s released code (openrlhf/reward/cosine.py) gives the exceed reward to a generation that reaches its
+    budget (gen_len + 16 >= max_len, max_len = the generation limit); the paper's text says "exceeds L_max". With
+    L_max = the budget a cut completion is at L = L_max: exceed scores it r_L (0 wrong, 1 correct), truncated -10."""
+    from trl_ext_plugins.rewards import formulas
+
+    lengths, correct = f64(100, 100, 50, 150), torch.tensor([0, 1, 0, 1])
+    cut = torch.tensor([True, True, False, False])  # the first two filled the budget
+    assert formulas.cosine_length_reward(lengths, correct, 100).tolist() == pytest.approx([0.0, 1.0, -5.0, -10.0])
+    got = formulas.cosine_length_reward(lengths, correct, 100, beyond="truncated", truncated=cut)
+    assert got.tolist() == pytest.approx([-10.0, -10.0, -5.0, -10.0])
+    with pytest.raises(ValueError, match="needs the truncated flags"):
+        formulas.cosine_length_reward(lengths, correct, 100, beyond="truncated")
+
+
 def test_stop_penalties_by_hand():
     from trl_ext_plugins.rewards import formulas
 

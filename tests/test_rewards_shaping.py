@@ -108,3 +108,27 @@ def test_grpo_math_verify_plus_kimi_end_to_end(tiny_trainer):
     assert torch.equal(before[:, 0].nan_to_num(-7), after[:, 0].nan_to_num(-7))
     expected = formulas.kimi_length_reward(lengths, before[:, 0].nan_to_num(0) > 0.5, 4)
     assert after[:, 1].double().tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_cosine_truncated_rule_in_a_grpo_step(tiny_trainer):
+    """cosine_beyond_max: truncated in training: a completion that fills max_completion_length totals cosine_exceed,
+    the others the cosine of their length (L_max = the budget, 6 tokens)."""
+    seen = []
+
+    class Spy(LengthShaping):
+        def trl_ext_shape_rewards(self, rewards_per_func, batch):
+            out = super().trl_ext_shape_rewards(rewards_per_func, batch)
+            seen.append((rewards_per_func.clone(), out.clone(), batch.completion_lengths.clone(), batch.reward_weights))
+            return out
+
+    Spy.trl_ext_shape_rewards.trl_ext_impl = LengthShaping.trl_ext_shape_rewards.trl_ext_impl
+    params = LengthShapingParams(mode="cosine", max_length=6, cosine_beyond_max="truncated")
+    trainer = tiny_trainer("grpo", plugins=[MathVerify(), Spy(params)],
+                           args={"max_steps": 1, "max_completion_length": 6, "temperature": 1.0})
+    trainer.train()
+    before, after, lengths, weights = seen[0]
+    total = (after.double().nan_to_num(0) * weights.double()).sum(1)
+    cosine = formulas.cosine_length_reward(lengths, before[:, 0].nan_to_num(0) > 0.5, 6)
+    cut = lengths >= 6
+    assert cut.any()  # the untrained model runs into the budget
+    assert total.tolist() == pytest.approx(torch.where(cut, -10.0, cosine).tolist(), abs=1e-5)

@@ -39,6 +39,7 @@ def cosine_length_reward(
     wrong_range: tuple[float, float] = (-10.0, 0.0),
     exceed_reward: float = -10.0,
     beyond: str = "exceed",
+    truncated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cosine length reward (Yeo et al., arXiv 2502.03373): R(L) = r_L + (r_0 - r_L)(1 + cos(pi L / L_max)) / 2.
 
@@ -46,7 +47,9 @@ def cosine_length_reward(
     wrong ones (longer thinking is penalised less). This *is* the task reward (it replaces the 1/0 correctness), not a
     bonus on top of it. ``beyond`` says what L > L_max gets: ``exceed`` (the paper: ``exceed_reward``), ``clamp``
     (L clamped to L_max, so r_L: continuous at L_max), ``extend`` (the formula continued, cos is periodic: open-r1's
-    ``get_cosine_scaled_reward`` neither clamps nor penalises).
+    ``get_cosine_scaled_reward`` neither clamps nor penalises), ``truncated`` (``exceed_reward`` also for every row
+    flagged in ``truncated``, a completion the generation budget cut: the paper's released code gives it to a
+    generation within 16 tokens of its budget, so with L_max equal to the budget a cut completion is not scored r_L).
     """
     if beyond not in COSINE_BEYOND:
         raise ValueError(f"unknown cosine beyond-max rule {beyond!r}; choose one of {', '.join(COSINE_BEYOND)}")
@@ -56,12 +59,17 @@ def cosine_length_reward(
     rl = torch.where(correct, correct_range[1], wrong_range[1]).to(torch.float64)
     progress = lengths.clamp(max=max_length) if beyond == "clamp" else lengths
     value = rl + 0.5 * (r0 - rl) * (1.0 + torch.cos(math.pi * progress / max_length))
-    if beyond != "exceed":
+    if beyond not in ("exceed", "truncated"):
         return value
-    return torch.where(lengths > max_length, torch.full_like(value, exceed_reward), value)
+    over = lengths > max_length
+    if beyond == "truncated":
+        if truncated is None:
+            raise ValueError("cosine beyond-max rule 'truncated' needs the truncated flags")
+        over = over | truncated.to(device=over.device, dtype=torch.bool)
+    return torch.where(over, torch.full_like(value, exceed_reward), value)
 
 
-COSINE_BEYOND = ("exceed", "clamp", "extend")
+COSINE_BEYOND = ("exceed", "clamp", "extend", "truncated")
 
 
 def dapo_overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int, cap: bool = True,

@@ -29,9 +29,11 @@ class LengthShapingParams(PluginParams):
     cosine_correct: tuple[float, float] = Field((2.0, 1.0), description="cosine: (r_0, r_L) for correct samples")
     cosine_wrong: tuple[float, float] = Field((-10.0, 0.0), description="cosine: (r_0, r_L) for wrong samples")
     cosine_exceed: float = Field(-10.0, description="cosine: reward beyond L_max (cosine_beyond_max: exceed)")
-    cosine_beyond_max: Literal["exceed", "clamp", "extend"] = Field(
+    cosine_beyond_max: Literal["exceed", "clamp", "extend", "truncated"] = Field(
         "exceed", description="cosine, L > L_max: exceed (the paper: cosine_exceed), clamp (L clamped to L_max: r_L), "
-        "extend (the formula continued; open-r1's get_cosine_scaled_reward)")
+        "extend (the formula continued; open-r1's get_cosine_scaled_reward), truncated (as exceed, and cosine_exceed "
+        "also for a completion that fills args.max_completion_length: the paper's released code, where L_max is the "
+        "generation budget)")
     overlong_cap: bool = Field(True, description="dapo: true (the paper) caps the penalty at -factor beyond L_max; "
                                "false continues it linearly (verl DAPORewardManager)")
     overlong_penalty_factor: float = Field(1.0, gt=0.0, description="dapo: scale of the overlong penalty (verl "
@@ -60,6 +62,7 @@ class ShapingContext:
     group_size: int
     step: int
     params: LengthShapingParams
+    truncated: torch.Tensor | None = None  # (N,) bool: the completion filled args.max_completion_length
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ MODES: dict[str, Mode] = {
                  replaces=False, needs_correctness=False),
     "cosine": Mode(lambda c: formulas.cosine_length_reward(
         c.lengths, c.correct, c.params.max_length, c.params.cosine_correct, c.params.cosine_wrong,
-        c.params.cosine_exceed, c.params.cosine_beyond_max), replaces=True, needs_correctness=True),
+        c.params.cosine_exceed, c.params.cosine_beyond_max, c.truncated), replaces=True, needs_correctness=True),
     "budget": Mode(lambda c: formulas.budget_reward(c.lengths, c.task, c.column(), c.params.tau),
                    replaces=True, needs_correctness=True),
     "l1_exact": Mode(lambda c: formulas.l1_exact_reward(c.lengths, c.correct, c.column(), c.params.l1_alpha),
@@ -99,7 +102,7 @@ MODES: dict[str, Mode] = {
 def shape_length_column(rewards_per_func: torch.Tensor, names: list[str], weights: torch.Tensor, own: str,
                         lengths: torch.Tensor, group_size: int, params: LengthShapingParams,
                         column: Callable[[], torch.Tensor], step: int = 0,
-                        penalties: torch.Tensor | None = None) -> torch.Tensor:
+                        penalties: torch.Tensor | None = None, truncated: torch.Tensor | None = None) -> torch.Tensor:
     """Fill column ``own`` of ``rewards_per_func`` with the shaping value (pure: returns a new tensor).
 
     Additive modes write their term. Replacing modes write (R - w_c * c) / w_own, so that the weighted total equals
@@ -122,7 +125,8 @@ def shape_length_column(rewards_per_func: torch.Tensor, names: list[str], weight
     else:
         correct = torch.zeros(len(lengths), dtype=torch.bool)
         task = torch.zeros(len(lengths), dtype=torch.float64)
-    ctx = ShapingContext(lengths.to(torch.float64).cpu(), correct.cpu(), task.cpu(), column, group_size, step, params)
+    ctx = ShapingContext(lengths.to(torch.float64).cpu(), correct.cpu(), task.cpu(), column, group_size, step, params,
+                         None if truncated is None else truncated.cpu())
     value = mode.term(ctx)
     if mode.replaces:
         value = (value - ctx.task) / w_own
@@ -153,8 +157,11 @@ class LengthShaping(Plugin):
 
     Switches where papers and frameworks differ (defaults first): ``overlong_cap`` true (DAPO paper, -1 beyond L_max)
     / false (verl ``DAPORewardManager``: the linear penalty continues), with ``overlong_penalty_factor`` 1 (verl's
-    ``penalty_factor``); ``cosine_beyond_max`` exceed (the paper's ``cosine_exceed``) / clamp (L clamped to L_max) /
-    extend (the cosine continued, open-r1); ``length_tokens`` all (every completion token, tool and observation tokens
+    ``penalty_factor``); ``cosine_beyond_max`` exceed (the paper's text: ``cosine_exceed`` when L > L_max) / clamp
+    (L clamped to L_max) / extend (the cosine continued, open-r1) / truncated (also ``cosine_exceed`` for a completion
+    that fills ``args.max_completion_length``, as the paper's released code scores a generation that reaches its
+    budget; with the default exceed and L_max = max_completion_length, a cut wrong answer scores r_L = 0, the best
+    wrong-answer reward); ``length_tokens`` all (every completion token, tool and observation tokens
     of a multi-turn completion included, as verl's response length) / model (the model's own tokens only, as TRL's
     completion-length metric). Stop penalties, in any mode and off by default: ``truncation_penalty`` is added when a
     completion fills ``args.max_completion_length`` (full length, whatever ``length_tokens`` says) and
@@ -209,8 +216,10 @@ class LengthShaping(Plugin):
             stopped = torch.tensor(gather_object(ends_with(batch.completion_ids, batch.completion_mask, eos).tolist()))
             penalties = formulas.stop_penalties(batch.completion_lengths, stopped, trainer.args.max_completion_length,
                                                 p.truncation_penalty, p.no_stop_penalty)
+        budget = getattr(getattr(trainer, "args", None), "max_completion_length", None)
+        truncated = None if budget is None else batch.completion_lengths >= budget  # full length, as the penalty
         return shape_length_column(rewards_per_func, batch.reward_names, batch.reward_weights, self.name,
-                                   lengths, batch.num_generations, p, column, step, penalties)
+                                   lengths, batch.num_generations, p, column, step, penalties, truncated)
 
 
 def ends_with(ids: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
