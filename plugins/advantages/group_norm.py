@@ -14,7 +14,9 @@ from trl_ext_plugins.advantages.rollout import local
 class GroupNormParams(PluginParams):
     std: Literal["sample", "population", "leave_one_out"] = Field(
         "sample", description="sample: unbiased N-1 std (torch.std; TRL, verl); population: N (e.g. numpy/JAX "
-        "ports); leave_one_out: sample std of the other rows of the group (group scale only).")
+        "ports); leave_one_out: sample std of the other rows of the group (group scale only; a row whose peers "
+        "all tie divides by epsilon alone: binary rewards [1, 0, 0, 0] give the 1 an advantage of 0.75 / epsilon = "
+        "7500 at the default, so use it with rewards that rarely tie).")
     epsilon: float = Field(1e-4, ge=0, description="Added to the std (TRL 1e-4; verl 1e-6).")
     scale: Literal["group", "batch", "none"] = Field(
         "group", description="group: divide by the group's std (GRPO paper, TRL scale_rewards=group, verl); batch: by "
