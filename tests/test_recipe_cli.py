@@ -208,7 +208,7 @@ def test_dpo_options_the_plugin_path_would_ignore_are_refused(tmp_path, capsys):
             "plugins": ["dpo"], "args": {"ld_alpha": 0.5}}
     code, _, err = run_cli(capsys, "validate", write(tmp_path, data))
     assert code == 2 and "stages[0].args.ld_alpha" in err and "'dpo'" in err
-    # TRL's loss_type / loss_weights choose TRL's loss (e.g. Tulu 3's sigmoid_norm); the plugin's loss would win silently
+    # TRL's loss_type / loss_weights choose TRL's loss (e.g. Tulu 3's sigmoid_norm); the plugin's would win silently
     for args, key in (({"loss_type": ["sigmoid_norm"]}, "loss_type"), ({"loss_type": ["hinge"]}, "loss_type"),
                       ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0]}, "loss_weights"),
                       ({"loss_weights": [0.5]}, "loss_weights")):

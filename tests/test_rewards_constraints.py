@@ -94,7 +94,8 @@ def test_a_checker_needing_missing_nltk_data_is_named_before_training(monkeypatc
     constraints.checker_problem.cache_clear()
     try:
         assert constraints.row_problems([["sentences"]], [[{}]], "ifeval") == [
-            "row 0: sentences needs NLTK data 'punkt_tab', which is not installed (python -m nltk.downloader punkt_tab)"]
+            "row 0: sentences needs NLTK data 'punkt_tab', which is not installed (python -m nltk.downloader "
+            "punkt_tab)"]
     finally:
         constraints.checker_problem.cache_clear()
 

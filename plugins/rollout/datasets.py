@@ -122,7 +122,8 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
         try:
             spec = DatasetSpec(**{"split": split, **part})
         except ValidationError as exc:
-            problems = "; ".join(f"parts[{index}].{'.'.join(map(str, e['loc']))}: {validation_message(e)}" for e in exc.errors())
+            problems = "; ".join(f"parts[{index}].{'.'.join(map(str, e['loc']))}: {validation_message(e)}"
+                                 for e in exc.errors())
             raise ValueError(f"mixture {problems}") from None
         name = spec.source.removeprefix(EMBEDDED_PREFIX)
         if spec.source.startswith(EMBEDDED_PREFIX) and name not in catalog.datasets:

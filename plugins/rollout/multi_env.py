@@ -259,7 +259,8 @@ class MultiEnv(Plugin):
             return cls(cls.Params.model_validate(selection.params))
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise ValueError(f"params.{'.'.join(map(str, first['loc']))}: {validation_message(first)} (plugin {cls.name!r})") from None
+            where = ".".join(map(str, first["loc"]))
+            raise ValueError(f"params.{where}: {validation_message(first)} (plugin {cls.name!r})") from None
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
