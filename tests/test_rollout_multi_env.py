@@ -38,6 +38,9 @@ def test_mixture_counts_by_hand():
     assert mixture_counts([1, 1, 1], 8) == [3, 3, 2]  # 2.67 each: the two earliest remainders get the extra prompts
     assert mixture_counts([2, 1], 4) == [3, 1]  # 2.67 / 1.33 -> 2 + 1 by the larger remainder, 1
     assert generation_batch_prompts({"per_device_train_batch_size": 16, "num_generations": 4}, 1) == 4
+    assert generation_batch_prompts({}, 1) == 1  # GRPOConfig: 8 rows per device, 8 generations per prompt
+    assert generation_batch_prompts({}, 1, "rloo") == 4  # RLOOConfig draws 2 generations per prompt
+    assert generation_batch_prompts({"per_device_train_batch_size": 16}, 1, "rloo") == 8
     assert generation_batch_prompts({"per_device_train_batch_size": 8, "num_generations": 4,
                                      "gradient_accumulation_steps": 2}, 2) == 8
 

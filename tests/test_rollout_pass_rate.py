@@ -136,6 +136,15 @@ def test_kept_rates_inside_bounds_cached_and_reproducible(tiny_model_dir, run_wi
     other_seed = _filter(seed=4)
     other_seed.trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
     assert other_seed.cache_hit is False  # the seed is part of the cache key
+    # so are the prompts' batching (the seeded samples depend on it) and the columns the reward reads
+    other_batching = _filter(seed=3, batch_size=8)
+    other_batching.trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
+    assert other_batching.cache_hit is False
+    relabelled = data.map(lambda row, i: {"answer": str(int(row["answer"]) + 1) if i == 0 else row["answer"]},
+                          with_indices=True)
+    other_answers = _filter(seed=3)
+    other_answers.trl_ext_prepare_dataset(dataset=relabelled, split="train", stage=stage)
+    assert other_answers.cache_hit is False
 
 
 def test_zero_variance_groups_fall_after_filtering(tiny_model_dir, run_with_digit_reward):

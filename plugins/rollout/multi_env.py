@@ -100,14 +100,23 @@ class MultiEnvParams(PluginParams):
         return self
 
 
-def generation_batch_prompts(args: dict[str, Any], num_processes: int) -> int:
-    """Prompts per TRL generation batch from GRPOConfig fields (TRL's defaults where unset)."""
-    generations = args.get("num_generations") or 8
-    batch = args.get("generation_batch_size")
+def generation_batch_prompts(args: dict[str, Any], num_processes: int, trainer: str = "grpo") -> int:
+    """Prompts per TRL generation batch from a stage's args, with the trainer config's own defaults where unset
+    (GRPOConfig draws 8 generations per prompt, RLOOConfig 2)."""
+    import dataclasses
+
+    from trl_ext.trainers import TRAINER_KINDS
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TRAINER_KINDS[trainer].config_cls)}
+
+    def value(name: str):
+        return args[name] if args.get(name) is not None else defaults[name]
+
+    batch = value("generation_batch_size")
     if batch is None:
-        steps = args.get("steps_per_generation") or args.get("gradient_accumulation_steps", 1)
-        batch = args.get("per_device_train_batch_size", 8) * num_processes * steps
-    return max(1, batch // generations)
+        steps = value("steps_per_generation") or value("gradient_accumulation_steps")
+        batch = value("per_device_train_batch_size") * num_processes * steps
+    return max(1, batch // value("num_generations"))
 
 
 class MultiEnv(Plugin):
@@ -282,7 +291,7 @@ class MultiEnv(Plugin):
             if len(data) == 0:
                 raise ValueError(f"plugin {self.name!r}: environment {env.name!r} has no rows")
         weights = [env.weight for env in self.params.environments]
-        batch_prompts = generation_batch_prompts(stage.args, PartialState().num_processes)
+        batch_prompts = generation_batch_prompts(stage.args, PartialState().num_processes, stage.trainer)
         counts = mixture_counts(weights, batch_prompts)
         empty = [env.name for env, c in zip(self.params.environments, counts, strict=True) if c == 0]
         if empty:

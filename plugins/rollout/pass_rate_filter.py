@@ -203,9 +203,13 @@ class PassRateFilter(Plugin):
         from trl_ext_plugins.preference.generation import cache_key, cache_root, model_fingerprint, resolve_model
 
         path = resolve_model(model_ref, self.name)
-        settings = self.params.model_dump(exclude={"lower", "upper", "inclusive", "order", "cache_dir", "batch_size",
+        # batch_size stays in: the seeded samples depend on how prompts are batched. The other columns stay in: the
+        # reward scores against them (e.g. `answer`).
+        settings = self.params.model_dump(exclude={"lower", "upper", "inclusive", "order", "cache_dir",
                                                 "reestimate_every"})
-        key = cache_key({"model": model_fingerprint(path), "prompts": dataset["prompt"], "settings": settings})
+        columns = {c: dataset[c] for c in dataset.column_names if c != "prompt"}
+        key = cache_key({"model": model_fingerprint(path), "prompts": dataset["prompt"], "columns": columns,
+                         "settings": settings})
         target = Path(cache_root(self.params.cache_dir, self.name)) / f"{key}.json"
         with PartialState().main_process_first():
             if target.exists():

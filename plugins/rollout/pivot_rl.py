@@ -109,7 +109,7 @@ class PivotRL(Plugin):
 
         from trl_ext_plugins.rollout.multi_env import generation_batch_prompts
 
-        needed = generation_batch_prompts(stage.args, PartialState().num_processes)
+        needed = generation_batch_prompts(stage.args, PartialState().num_processes, stage.trainer)
         if len(rows) < needed:  # TRL would silently train zero steps on a split smaller than one generation batch
             raise ValueError(f"plugin {self.name!r}: only {len(rows)} pivot turns among {len(turns)}, fewer than the "
                              f"{needed} prompts of one generation batch; use more trajectories, a stronger starting "
@@ -132,7 +132,7 @@ class PivotRL(Plugin):
 
         path = resolve_model(model_ref, self.name)
         p = self.params
-        settings = p.model_dump(include={"k", "temperature", "max_new_tokens", "seed"})
+        settings = p.model_dump(include={"k", "temperature", "max_new_tokens", "seed", "batch_size"})
         key = cache_key({"model": model_fingerprint(path), "turns": [(t["prompt"], t["expert_action"]) for t in turns],
                          "settings": settings})
         target = Path(cache_root(p.cache_dir, self.name)) / f"{key}.json"
