@@ -182,6 +182,25 @@ def test_proposer_reward_of_a_batch():
     assert solver.trl_ext_reward_functions(stage=None) is None
 
 
+def test_a_malformed_copy_of_a_problem_is_its_own_cluster():
+    """R-Zero's released reward (caller_penalty.py) clusters a malformed proposal as an empty question, a singleton:
+    BLEU put two malformed near-copies of "1 + 2 =" in its cluster (share 3/4, reward 0.25); now its share is 1/4,
+    and identical malformed copies no longer share a cluster either (r_zero_code: -1 - 1/4 each, not -1 - 2/4)."""
+    bleu = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", samples=10))
+    bleu.table = {"1 + 2 =": ["3"] * 5 + ["4"] * 5}  # p_hat 0.5 -> r_unc 1
+    spaced = bleu._proposer_reward(["1 + ", "1 + ", "1 + ", "7 +"], ["2 =", "2 = x", "2 = y", "x"])
+    assert spaced == pytest.approx([1 - 0.25, 0.0, 0.0, 0.0])
+    plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", samples=10,
+                                           repetition_clustering="exact"))
+    plugin.table = {"1+2=": ["3"] * 5 + ["4"] * 5}
+    prompts, completions = ["1+", "1+", "1+", "7+"], ["2=", "2=x", "2=x", "x"]  # three malformed
+    assert plugin._proposer_reward(prompts, completions) == pytest.approx([1 - 0.25, 0.0, 0.0, 0.0])
+    code = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", proposer_reward="r_zero_code",
+                                         repetition_clustering="exact"))
+    code.table = plugin.table  # a malformed problem: -1 minus its singleton share 1/4
+    assert code._proposer_reward(prompts, completions) == pytest.approx([0.5 - 0.25, -1.25, -1.25, -1.25])
+
+
 def test_proposer_reward_with_verified_labels():
     """labels: verifier: p_hat is the solve rate against the verified answer; a problem the verifier rejects earns 0."""
     plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", labels="verifier", verifier="arithmetic",

@@ -153,7 +153,9 @@ class SelfPlay(Plugin):
     default, so a proposer can complete a prefix such as ``12+``) that matches ``question_pattern`` is answered
     ``samples`` times (m, default 10) by the ``partner`` solver; ``p_hat`` is the share agreeing with the label, and the
     reward is ``max(0, 1 - 2|p_hat - 1/2| - repetition_weight * |C| / B)``; a malformed problem earns 0. ``|C| / B`` is
-    the share of the reward call's batch (B problems, malformed ones included; per rank) in the problem's cluster.
+    the share of the reward call's batch (B problems, malformed ones included; per rank) in the problem's cluster;
+    only well-formed problems are clustered, a malformed one is a cluster of its own (R-Zero's code clusters it as an
+    empty question, at distance 1 from every other), so a malformed near-copy does not raise a valid problem's share.
     ``proposer_reward: r_zero_code`` uses R-Zero's released code instead (``min(p_hat, 1 - p_hat) - |C| / B``, and
     ``-1 - |C| / B`` for a malformed problem, unclipped: the paper's uncertainty term halved); ``absolute_zero`` uses
     ``1 - p_hat`` for ``0 < p_hat < 1``. Logged: ``self_play/agreement`` (mean p_hat of valid problems),
@@ -279,9 +281,13 @@ class SelfPlay(Plugin):
         p = self.params
         questions = [self.question_text(x, c) for x, c in zip(prompts, completions, strict=True)]
         valid = [i for i, q in enumerate(questions) if self.well_formed(q)]
-        # The repetition share is over the whole batch B, malformed problems included (R-Zero's |C_k| / B).
-        shares = [p.repetition_weight * x for x in repetition_penalties(questions, p.repetition_clustering,
-                                                                         p.repetition_threshold)]
+        # The repetition share is over the whole batch B (R-Zero's |C_k| / B). Only well-formed problems are clustered:
+        # R-Zero's caller_penalty.py clusters a malformed proposal as "" (distance 1 to everything), a singleton.
+        B = len(questions)
+        valid_shares = repetition_penalties([questions[i] for i in valid], p.repetition_clustering,
+                                            p.repetition_threshold)
+        share_of = {i: s * len(valid) / B for i, s in zip(valid, valid_shares)}
+        shares = [p.repetition_weight * share_of.get(i, 1.0 / B) for i in range(B)]
         p_hat_of: dict[int, float] = {}
         if valid:
             model, tokenizer = self._partner_model()
