@@ -23,6 +23,8 @@ def test_selection_by_hand():
                                                                                               (0, "z")]
     assert select_accepted([["x", "y", "z", "w"]], [[1, 1, 1, 1]], 1.0, 2, dedupe=True) == [(0, "x"), (0, "y")]
     assert select_accepted([["x", "y"]], [[None, 1.0]], 1.0, None, dedupe=True) == [(0, "y")]
+    nan = float("nan")  # an unscorable sample is not accepted (NaN < 1 is False, so it used to pass)
+    assert select_accepted([["x", "y"], ["u", "v"]], [[nan, 1.0], [nan, nan]], 1.0, None, dedupe=True) == [(0, "y")]
     # a verifier that accepts everything: the data is exactly the self-samples (RFT = SFT on self-samples)
     assert select_accepted([["p", "q"]], [[1, 1]], 1.0, None, dedupe=False) == [(0, "p"), (0, "q")]
 

@@ -74,6 +74,9 @@ SCORE_TABLE = [
     ("12+5=17 is right; 2 steps, 3 checks.\nVerdict: 3", 3.0),  # reasoning numbers, then the verdict
     ("Score: 2 at first sight. On reflection...\nFinal score: 9", 9.0),  # the last verdict counts
     ("Score: **5**", 5.0), ("Score: 5. Then 100 and 200 other numbers", 5.0),
+    # a verdict number ends where it ends: not the 1 of 1e3, the 7 of 7-8 or 7,5, the 5.5 of 5.5.5
+    ("Score: 1e3", None), ("Score: 10e-1", None), ("Score: 7-8", None), ("Score: 7,5", None), ("score: 5.5.5", None),
+    ("Score: 8/10, well argued", 8.0), ("Score: 8-point answer", 8.0),
 ]
 
 
@@ -385,6 +388,10 @@ def test_bad_verifiers_and_dataset_checks():
         plugin.trl_ext_prepare_dataset(bad, "train", STAGE)
     with pytest.raises(ValueError, match="checklist_column 'checklist' is not a column"):
         plugin.trl_ext_prepare_dataset(Dataset.from_dict({"prompt": ["q"]}), "train", STAGE)
+    for weight in (-1.0, float("nan"), float("inf")):  # NaN passed `weight < 0` and made the row's reward NaN
+        rows = Dataset.from_dict({"prompt": ["q"], "checklist": [[{"item": "a", "weight": weight, "verifier": None}]]})
+        with pytest.raises(ValueError, match="row 0 has a negative or non-finite item weight"):
+            plugin.trl_ext_prepare_dataset(rows, "train", STAGE)
 
 
 # ---------------------------------------------------------------------------------------------------------------

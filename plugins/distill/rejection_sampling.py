@@ -42,7 +42,7 @@ def select_accepted(groups: list[list[str]], rewards: list[list[float | None]], 
     for index, (texts, scores) in enumerate(zip(groups, rewards, strict=True)):
         seen, count = set(), 0
         for text, score in zip(texts, scores, strict=True):
-            if score is None or score < min_reward or (dedupe and text in seen):
+            if score is None or not score >= min_reward or (dedupe and text in seen):  # NaN is no acceptance
                 continue
             if max_per_prompt is not None and count >= max_per_prompt:
                 break

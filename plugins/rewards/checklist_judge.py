@@ -123,8 +123,8 @@ class ChecklistJudge(JudgeReward):
             for entry in normalise_checklist(value) or []:
                 if entry["verifier"] is not None:
                     parse_verifier(entry["verifier"])
-                if entry["weight"] < 0:
-                    raise ValueError(f"checklist_judge: row {row} has a negative item weight")
+                if not 0 <= entry["weight"] < float("inf"):  # also refuses NaN and inf
+                    raise ValueError(f"checklist_judge: row {row} has a negative or non-finite item weight")
         return None
 
     def score(self, prompts, completions, log_metric=None, **kwargs) -> list[float | None]:

@@ -44,8 +44,10 @@ import torch
 # ----------------------------------------------------------------------------------------------------------------
 
 _NUM = r"[-+]?\d+(?:\.\d+)?"
+# A verdict number must end there: "1e3", "7-8", "7,5", "5.5.5" are not the scores 1, 7, 7, 5.5.
+_END = r"(?![\w,.-]*\d)"
 _SCORE_KEYWORD = re.compile(
-    rf"(?:final\s+score|score|rating|verdict|grade)\s*[:=]?\s*[*_\[\(]*\s*({_NUM})\s*(?:/\s*({_NUM}))?", re.I)
+    rf"(?:final\s+score|score|rating|verdict|grade)\s*[:=]?\s*[*_\[\(]*\s*({_NUM})\s*(?:/\s*({_NUM}))?{_END}", re.I)
 _SCORE_MTBENCH = re.compile(rf"\[\[\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*\]\]")
 _SCORE_BOLD = re.compile(rf"\*\*\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*\*\*")
 _SCORE_ALONE = re.compile(rf"^\s*[*_\[\(]*\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*[*_\]\)]*\s*\.?\s*$")
