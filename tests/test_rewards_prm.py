@@ -111,6 +111,39 @@ def test_aggregation_and_scoring_match_the_formula(tiny_model_dir):
     assert formulas.aggregate_step_scores(torch.tensor([0.9, 0.8]), "product").item() == pytest.approx(0.72)
 
 
+def test_orm_and_prm_score_the_text_they_were_trained_on(tiny_model_dir):
+    """The ORM trains on prompt + completion + separator with the completion unchanged: scoring a multi-line
+    completion must not replace its newlines (the separator) first. The PRM trains on the question text: a
+    conversational prompt is scored with its question, not as an empty prompt."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    stage = StageSpec(trainer="grpo", model="x", dataset={"source": "x"})
+
+    def trained_reading(prompt, steps):
+        ids, pos = tokenize_steps(tok, prompt, steps, "\n")
+        with torch.no_grad():
+            return torch.sigmoid(model(input_ids=torch.tensor([ids])).logits[0, pos, 0].double())
+
+    orm = ORM(ORMParams(path=tiny_model_dir))
+    orm.scorer.model, orm.scorer.tokenizer = model, tok
+    (fn,) = orm.trl_ext_reward_functions(stage)
+    completion = "12+30=42\nSo the answer is 42"
+    assert fn.fn(prompts=["12+30=\n"], completions=[completion]) == pytest.approx(
+        [trained_reading("12+30=\n", [completion])[-1].item()], abs=1e-6)
+
+    prm = PRM(PRMParams(path=tiny_model_dir, aggregation="product"))
+    prm.scorer.model, prm.scorer.tokenizer = model, tok
+    (fn,) = prm.trl_ext_reward_functions(stage)
+    expected = trained_reading("12+30=", ["12+30=42", "42"]).prod().item()
+    chat = fn.fn(prompts=[[{"role": "user", "content": "12+30="}]],
+                 completions=[[{"role": "assistant", "content": "12+30=42\n42"}]])
+    assert chat == pytest.approx([expected], abs=1e-6)
+    assert fn.fn(prompts=["12+30="], completions=["12+30=42\n42"]) == pytest.approx([expected], abs=1e-6)
+
+
 def test_orm_turns_unpaired_rows_into_one_step():
     from trl_ext.embedded.arithmetic import arithmetic_dataset
 

@@ -39,7 +39,7 @@ class ORM(Plugin):
         super().__init__(params)
         p = self.params
         self.scorer = PRMScorer(PRMParams(separator=p.separator, path=p.path, aggregation="last",
-                                          batch_size=p.batch_size))
+                                          batch_size=p.batch_size), split=False)
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
@@ -67,12 +67,8 @@ class ORM(Plugin):
         if stage.trainer == TRAINING:
             return None
 
-        def orm(prompts, completions, **kwargs):
-            # one step: the separator inside a completion must not split it
-            joined = [c.replace(self.params.separator, " ") if isinstance(c, str) else c for c in completions]
-            return self.scorer(prompts, joined, **kwargs)
-
-        return [RewardFunction(self.name, orm, self.params.weight)]
+        # one step, the completion unchanged (training reads prompt + completion + separator)
+        return [RewardFunction(self.name, self.scorer, self.params.weight)]
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):

@@ -107,16 +107,19 @@ def _local_model(ref: str) -> str:
 class PRMScorer(LazyScorer):
     """Scores completions: split into steps, step probabilities, aggregated (product / min / last)."""
 
-    def __init__(self, params: PRMParams):
+    def __init__(self, params: PRMParams, split: bool = True):
         super().__init__(lambda run_dir: load_token_classifier(resolve_ref(params.path, run_dir)), params.batch_size)
         self.params = params
+        self.split = split  # False (ORM): the whole completion is one step, exactly as in training
 
     def __call__(self, prompts, completions, **_kwargs) -> list[float]:
         model, tok = self.ensure_loaded()
-        text = lambda x: x[-1]["content"] if isinstance(x, list) else x  # noqa: E731
-        steps = [split_steps(text(c), self.params.separator) for c in completions]
-        probs = step_probabilities(model, tok, [text(p) if not isinstance(p, list) else "" for p in prompts], steps,
-                                   self.params.separator, self.batch_size)
+        from trl_ext_plugins.rewards.judging import as_text
+
+        steps = [split_steps(as_text(c), self.params.separator) if self.split else [as_text(c)] for c in completions]
+        # a conversational prompt is scored with its question text (as_text: the last message), not dropped
+        probs = step_probabilities(model, tok, [as_text(p) for p in prompts], steps, self.params.separator,
+                                   self.batch_size)
         return [formulas.aggregate_step_scores(p, self.params.aggregation).item() for p in probs]
 
 
