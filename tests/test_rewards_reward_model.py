@@ -85,6 +85,30 @@ def test_batched_scoring_equals_one_by_one_and_eos_convention(rm_dir):
         assert model(input_ids=ids).logits[0, 0].item() == pytest.approx(one[0], abs=1e-5)
 
 
+def test_scoring_reads_the_ids_trls_reward_trainer_trains_on(tmp_path):
+    """TRL 1.16's RewardTrainer tokenizes plain text with ``processing_class(text=...)`` after appending eos, and a
+    conversation with ``apply_chat_template`` alone (no eos added). Scoring must give the head those same ids: an eos
+    appended after a chat rendering moved the read position (Qwen3's template ends '<|im_end|>', '\\n')."""
+    from trl.data_utils import _tokenize
+
+    from trl_ext.embedded.models import materialize_model
+    from trl_ext_plugins.rewards.scoring import LazyScorer
+
+    torch.manual_seed(0)
+    model, tok = load_sequence_classifier(str(materialize_model("tiny-qwen3-tools", tmp_path / "m", seed=0)))
+    scorer = LazyScorer(lambda _run_dir: (model, tok))
+
+    def head(ids):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+
+    prompt, completion = [{"role": "user", "content": "1+2="}], [{"role": "assistant", "content": "3"}]
+    assert scorer([prompt], [completion]) == pytest.approx([head(_tokenize(tok, prompt + completion)["input_ids"])],
+                                                           abs=1e-5)
+    plain = head(_tokenize(tok, "1+2=3" + tok.eos_token)["input_ids"])
+    assert scorer(["1+2="], ["3"]) == pytest.approx([plain], abs=1e-5)
+
+
 def test_plugin_scores_prompt_plus_completion_with_stage_ref(rm_dir, tmp_path):
     import shutil
 

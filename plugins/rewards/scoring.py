@@ -99,23 +99,30 @@ def join_prompt_completion(prompt: Any, completion: Any, tokenizer) -> str:
 
 @torch.no_grad()
 def score_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
-                append_eos: bool = True) -> list[float]:
+                append_eos: bool = True, conversational: bool = False) -> list[float]:
     """Scalar reward of each text, ``batch_size`` texts per forward pass (right padding, left truncation).
 
     ``append_eos`` adds the eos token where a text lacks it: TRL's RewardTrainer trains on ``prompt + chosen + eos``
     and the sequence-classification head reads the last non-pad token, while GRPO completions are decoded without
-    special tokens; scoring without it would read the head at a position it was never trained on.
+    special tokens; scoring without it would read the head at a position it was never trained on. ``conversational``
+    (chat-template renderings): no eos appended and no special tokens added, as TRL's RewardTrainer tokenizes
+    conversations with ``apply_chat_template``; plain texts are tokenized with the tokenizer's special tokens (e.g. a
+    bos), as its ``processing_class(text=...)`` does.
     """
     device = next(model.parameters()).device
     eos = tokenizer.eos_token or ""
-    texts = [t if not append_eos or t.endswith(eos) else t + eos for t in texts]
+    # As TRL's RewardTrainer (1.16 `_prepare_dataset`): eos is appended to plain texts only, which are tokenized with
+    # the tokenizer's special tokens (`processing_class(text=...)`, e.g. bos); a chat-template rendering already holds
+    # its special tokens and gets no eos.
+    if not conversational:
+        texts = [t if not append_eos or t.endswith(eos) else t + eos for t in texts]
     out: list[float] = []
     side = tokenizer.padding_side, tokenizer.truncation_side
     tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
     try:
         for start in range(0, len(texts), batch_size):
             chunk = list(texts[start:start + batch_size])
-            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False,
+            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=not conversational,
                             truncation=max_length is not None, max_length=max_length)
             logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device)).logits
             out.extend(logits[:, 0].float().cpu().tolist())
@@ -180,4 +187,5 @@ class LazyScorer:
     def __call__(self, prompts, completions, **_kwargs) -> list[float]:
         model, tokenizer = self.ensure_loaded()
         texts = [join_prompt_completion(p, c, tokenizer) for p, c in zip(prompts, completions, strict=True)]
-        return score_texts(model, tokenizer, texts, self.batch_size, self.max_length, self.append_eos)
+        conversational = bool(completions) and isinstance(completions[0], list)
+        return score_texts(model, tokenizer, texts, self.batch_size, self.max_length, self.append_eos, conversational)
