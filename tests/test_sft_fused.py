@@ -55,6 +55,38 @@ def test_sequence_normalisation_equals_the_formula_from_full_logits_without_buil
     assert probe.rows == 0  # the fused head scored vocabulary tiles: no tensor as wide as the vocabulary existed
 
 
+def test_sequence_normalisation_is_per_example_when_examples_are_packed(tiny_model_dir, tmp_path):
+    """With packing, TRL puts the micro-batch in one row (examples restart at position 0): the per-sequence mean must
+    be per example (it was the packed row's token mean). Reference: each packed example forwarded alone, its mean NLL
+    over its counted labels, then the mean over examples. A padded batch with position ids (0 on the padding) keeps
+    one row per example."""
+    from trl_ext.trainers.sft import split_packed_examples
+
+    host = PluginHost([SFT(SFTParams(normalization="sequence"))])
+    trainer = _build("sft", tiny_model_dir, tmp_path, None, host, {"per_device_train_batch_size": 4, "packing": True})
+    inputs = _batch(trainer)
+    ids, labels, positions = inputs["input_ids"][0], inputs["labels"][0], inputs["position_ids"][0]
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+    assert inputs["input_ids"].shape[0] == 1 and len(starts) > 2  # one row, several examples
+    per_example = []
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
+        for a, b in zip(starts, starts[1:]):
+            logits = trainer.model(input_ids=ids[a:b].unsqueeze(0)).logits[0, :-1]
+            target = labels[a + 1:b]
+            counted = target != -100
+            if counted.any():
+                nll = F.cross_entropy(logits.float(), target.clamp(min=0), reduction="none")
+                per_example.append(nll[counted].mean())
+    expected = torch.stack(per_example).mean()
+    assert torch.allclose(loss, expected, rtol=1e-4, atol=1e-5), (loss.item(), expected.item())
+
+    per_token, mask = torch.ones(2, 4), torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 0]])
+    padded_positions = torch.tensor([[0, 1, 2, 0, 0], [0, 1, 2, 3, 0]])  # right padding at position 0
+    out, out_mask = split_packed_examples(per_token, mask, padded_positions)
+    assert torch.equal(out_mask, mask) and out.shape == per_token.shape
+
+
 def test_one_forward_per_micro_batch_whichever_path(tiny_model_dir, tmp_path):
     """The default ``sft`` (token normalisation) keeps TRL's loss: the trainer must not run the fused-head forward,
     learn that no plugin reduces the loss, and then run TRL's forward too (that doubled the forward: 1.3-1.5x steps)."""

@@ -24,7 +24,8 @@ class SFT(Plugin):
     Defaults: ``normalization: token`` is TRL's SFTTrainer loss unchanged (the plugin then adds nothing to TRL's
     path). Convention: ``sequence`` is the per-conversation mean Nemotron 3 Super (arXiv 2604.12374) uses in its second
     SFT stage; sequences [1] and [0, 0, 0] give 0.25 under ``token`` and 0.5 under ``sequence``. Which tokens count
-    is TRL's choice (``completion_only_loss`` / ``assistant_only_loss``), not the plugin's.
+    is TRL's choice (``completion_only_loss`` / ``assistant_only_loss``), not the plugin's. With ``packing`` (or
+    padding-free batches) a sequence is an example, not a packed row: the trainer splits packed rows at position 0.
     """
 
     name = "sft"

@@ -60,6 +60,8 @@ class ExtSFTTrainer(HostMixin, SFTTrainer):
         # so neither the (B, T, V) logits nor a float32 copy of them is built. Zero where the label is ignored.
         outputs = model(**{**inputs, "use_cache": False}, fused_lm_head=True)
         per_token_nll, mask = -outputs.log_probs, outputs.label_mask.to(outputs.log_probs.dtype)
+        if inputs.get("position_ids") is not None:  # packing / padding-free: a row may hold several examples
+            per_token_nll, mask = split_packed_examples(per_token_nll, mask, inputs["position_ids"])
         training = self.model.training
         ctx = AggregationContext(
             num_items_in_batch=num_items_in_batch if num_items_in_batch is not None else mask.sum(),
@@ -77,3 +79,27 @@ class ExtSFTTrainer(HostMixin, SFTTrainer):
         if loss is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         return loss
+
+
+def split_packed_examples(per_token: torch.Tensor, mask: torch.Tensor,
+                          position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row per example, so a per-sequence reduction sees examples, not packed rows.
+
+    With ``packing`` (or padding-free batches) TRL puts several examples in one row, each starting at position 0.
+    ``per_token``/``mask`` are ``(B, T - 1)``, aligned with ``labels[:, 1:]``, so a column belongs to the example of
+    its label token. Returns ``(E, T - 1)`` tensors, example ``e`` keeping its own columns of its row (the mask is 0
+    elsewhere); unchanged when no row holds more than one example. Right padding also has position 0 (TRL pads
+    ``position_ids`` with 0), so a later "example" with no loss token is padding and is dropped; a row's first example
+    always stays, as an unpacked row does.
+    """
+    starts = position_ids == 0
+    per_row = starts.sum(-1).clamp(min=1)
+    if int(per_row.max()) <= 1:
+        return per_token, mask
+    example = (starts.long().cumsum(-1) - 1).clamp(min=0)[:, 1:]  # example index of each label column, per row
+    rows = torch.repeat_interleave(torch.arange(len(per_row), device=per_row.device), per_row)
+    local = torch.cat([torch.arange(int(n), device=per_row.device) for n in per_row])
+    own = example[rows] == local.unsqueeze(-1)
+    split = torch.where(own, mask[rows], torch.zeros_like(mask[rows]))
+    keep = (local == 0) | (split.sum(-1) > 0)
+    return per_token[rows][keep], split[keep]
