@@ -32,6 +32,12 @@ def test_step_bce_reads_only_labelled_positions():
     loss.backward()
     unlabelled = labels == IGNORE
     assert torch.all(logits.grad[unlabelled] == 0) and torch.all(logits.grad[~unlabelled] != 0)
+    # a micro-batch without a labelled step (rows whose completion has no step): 0 and a zero gradient, not NaN
+    nothing = torch.full((2, 4), IGNORE, dtype=torch.float64)
+    empty = step_bce_loss(logits, nothing)
+    assert empty.item() == 0.0
+    (grad,) = torch.autograd.grad(empty, logits)
+    assert torch.equal(grad, torch.zeros_like(logits))
 
 
 def test_tokenize_steps_puts_labels_at_separators(tiny_model_dir):
@@ -41,6 +47,18 @@ def test_tokenize_steps_puts_labels_at_separators(tiny_model_dir):
     ids, positions = tokenize_steps(tok, "1+2+3=\n", ["1+2=3", "3+3=6"], "\n")
     assert tok.decode(ids) == "1+2+3=\n1+2=3\n3+3=6\n"
     assert [tok.decode([ids[i]]) for i in positions] == ["\n", "\n"] and positions == [12, 18]
+
+
+def test_rows_without_steps_are_left_out_of_prm_training(tiny_model_dir):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from trl_ext.trainers.prm import ExtPRMTrainer, PRMConfig
+
+    rows = Dataset.from_dict({"prompt": ["1+2=\n", "3+4=\n"], "completions": [["1+2=3"], []], "labels": [[1.0], []]})
+    args = PRMConfig(output_dir="unused", report_to="none", max_length=None)
+    out = ExtPRMTrainer._tokenize(rows, AutoTokenizer.from_pretrained(tiny_model_dir), args)
+    assert len(out) == 1 and out[0]["step_labels"] == [1.0]
 
 
 def test_math_shepherd_mc_labels_with_a_scripted_completer():

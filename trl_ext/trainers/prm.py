@@ -51,6 +51,8 @@ def tokenize_steps(tokenizer, prompt: str, steps: list[str], separator: str) -> 
 def step_bce_loss(logits: torch.Tensor, step_labels: torch.Tensor) -> torch.Tensor:
     """Mean BCE-with-logits over positions whose label is not ``IGNORE`` (``logits``/``step_labels``: (B, T))."""
     mask = step_labels != IGNORE
+    if not bool(mask.any()):  # no labelled step in the micro-batch: 0 with a (zero) gradient, not mean([]) = NaN
+        return logits[mask].sum()
     return torch.nn.functional.binary_cross_entropy_with_logits(logits[mask], step_labels[mask].to(logits.dtype))
 
 
@@ -105,6 +107,7 @@ class ExtPRMTrainer(HostMixin, Trainer):
             return {"input_ids": ids, "step_positions": positions, "step_labels": [float(x) for x in row["labels"]]}
 
         dataset = dataset.map(encode, remove_columns=dataset.column_names)
+        dataset = dataset.filter(lambda row: len(row["step_positions"]) > 0)  # a row without steps trains nothing
         if args.max_length is not None:
             dataset = dataset.filter(lambda row: len(row["input_ids"]) <= args.max_length)
         return dataset
