@@ -1,6 +1,7 @@
 """Kill -9 at every write point of a run, rerun the same command, get the uninterrupted run's result bit for bit.
 
-For an SFT, a GRPO and a DPO stage (tiny embedded model, 4 steps, a checkpoint every 2): one uninterrupted run, then
+For an SFT, a GRPO, a BOND (moving EMA anchor) and a DPO stage (tiny embedded model, 4 steps, a checkpoint every 2):
+one uninterrupted run, then
 for each write point a run killed there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py: ``os._exit(137)``, which is what
 SIGKILL leaves: no cleanup, no ``finally``) followed by the same command again. The resumed run's final weights
 (``model.safetensors``, compared tensor by tensor with ``torch.equal``) and every per-step metrics row must equal the
@@ -37,6 +38,13 @@ RECIPES = {
         "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
                  "temperature": 1.0},
     },
+    "bond": {  # BOND's moving (EMA) anchor is state outside the policy: the checkpoint must carry it
+        "trainer": "grpo", "model": "embedded:tiny-qwen2-small", "dataset": {"source": "embedded:arithmetic",
+                                                                            "params": {"format": "prompt"}, "limit": 64},
+        "plugins": ["grpo", {"bond": {"beta": 0.5, "anchor": "ema", "ema_rate": 0.5}}],
+        "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
+                 "temperature": 1.0},
+    },
     "dpo": {
         "trainer": "dpo", "model": "embedded:tiny-qwen2-small", "plugins": ["dpo"],
         "dataset": {"source": "embedded:arithmetic", "params": {"format": "preference"}, "limit": 64},
@@ -50,7 +58,7 @@ ALL_POINTS = ["checkpoint:2", "metrics:3", "train_end:1", "final_save:1", "write
               "write:started.json:1", "write:run.json:2"]
 # Every point for SFT; for GRPO and DPO the ones inside and right after their training (the rest is trainer-agnostic
 # runner code), which keeps each test to a few minutes on 2 CPU cores.
-CRASH_POINTS = {"sft": ALL_POINTS, "grpo": ["checkpoint:2", "metrics:3", "final_save:1"],
+CRASH_POINTS = {"sft": ALL_POINTS, "grpo": ["checkpoint:2", "metrics:3", "final_save:1"], "bond": ["checkpoint:2"],
                 "dpo": ["checkpoint:2", "metrics:3", "final_save:1"]}
 
 
@@ -64,12 +72,13 @@ def _driver(workdir: str, trainer: str) -> None:
     work = Path(workdir)
     recipe = work / f"{trainer}.yaml"
     spec = dict(RECIPES[trainer])
-    if trainer == "grpo":
+    if spec["trainer"] == "grpo":
         # The untrained tiny model never answers right, so exact_match would give zero advantages and zero gradients
         # (weights trivially equal); a reward that differs between samples makes every step move the weights.
         (work / "varied.py").write_text("def reward(completions, **kwargs):\n"
                                         "    return [float(sum(map(ord, str(c))) % 7) for c in completions]\n")
-        spec["plugins"] = ["grpo", {"python_reward": {"functions": [f"{work / 'varied.py'}:reward"]}}]
+        spec["plugins"] = [p for p in spec["plugins"] if p != "exact_match"] + [
+            {"python_reward": {"functions": [f"{work / 'varied.py'}:reward"]}}]
     recipe.write_text(json.dumps({"seed": 0, **spec}))
 
     def run(out: Path, crash_at: str | None) -> int:
