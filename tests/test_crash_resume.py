@@ -1,9 +1,8 @@
 """Kill -9 at every write point of a run, rerun the same command, get the uninterrupted run's result bit for bit.
 
 For an SFT, a GRPO, a BOND (moving EMA anchor) and a DPO stage (tiny embedded model, 4 steps, a checkpoint every 2):
-one uninterrupted run, then
-for each write point a run killed there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py: ``os._exit(137)``, which is what
-SIGKILL leaves: no cleanup, no ``finally``) followed by the same command again. The resumed run's final weights
+one uninterrupted run, then for each write point a run killed there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py:
+``os._exit(137)``, which is what SIGKILL leaves: no cleanup, no ``finally``) followed by the same command again. The resumed run's final weights
 (``model.safetensors``, compared tensor by tensor with ``torch.equal``) and every per-step metrics row must equal the
 uninterrupted run's. The end-of-training row is Trainer's own summary (runtimes; ``train_loss`` averaged over the
 steps of the session that logs it), so only its presence is compared.

@@ -242,7 +242,14 @@ def _local_dataset(tmp_path, rows, name="data.jsonl"):
                                              "params": {"operations": "x"}}}},
          "stages[0].evaluation.dataset.params: operations must be made of"),
         ({"peft": {"type": "lorax"}}, "stages[0].peft.type: unknown PEFT method 'lorax'"),
-        ({"peft": {"type": "lora", "rr": 8}}, "stages[0].peft: LoraConfig rejected the fields"),
+        ({"peft": {"type": "lora", "rr": 8}}, "stages[0].peft.rr: not a field of LoraConfig"),
+        ({"peft": {"type": "lora", "r": "abc"}}, "stages[0].peft.r: Input should be a valid integer"),
+        ({"peft": {"type": "lora", "r": -4}}, "stages[0].peft.r: must be >= 1 (got -4)"),
+        ({"seed": -1}, "seed: Input should be greater than or equal to 0"),  # numpy's seed range, checked by
+        ({"seed": 10 ** 26}, "seed: Input should be less than or equal to 4294967295"),  # transformers.set_seed
+        ({"seed": True}, "seed: expected a number, got True"),  # YAML `true` is not 1
+        ({"args": {"max_steps": True}}, "stages[0].args.max_steps: Input should be a valid integer (got True)"),
+        ({"dataset": "data/nope.jsonl"}, "stages[0].dataset.source: no such file or folder 'data/nope.jsonl'"),
         ({"model": "./no/such/model"}, "stages[0].model: no such model folder './no/such/model'"),
         ({"model": "/no/such/model"}, "stages[0].model: no such model folder"),
         ({"model": "runs/never/made"}, "stages[0].model: no such model folder 'runs/never/made'"),
@@ -252,6 +259,43 @@ def test_faults_that_used_to_need_a_loaded_model(tmp_path, capsys, patch, fragme
     code, _, err = cli(capsys, "train", write(tmp_path, {**BASE, **patch}), "--output-dir", str(tmp_path / "out"))
     assert_refused(code, err, fragment)
     assert not (tmp_path / "out").exists()  # train validated first and wrote nothing
+
+
+def test_local_data_files_are_read_whole_before_anything_loads(tmp_path, capsys):
+    """A torn JSON line, rows that are not objects and a file without rows failed only while the stage started,
+    after run.json and the embedded model were written; a pretty-printed JSON object of columns is valid."""
+    files = {"torn.jsonl": '{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=", "compl',
+             "list.json": "[1, 2]", "empty.jsonl": "\n",
+             "columns.json": '{\n  "prompt": ["1+1="],\n  "completion": ["2"]\n}\n'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    for name, fragment in (("torn.jsonl", "torn.jsonl' line 2: not valid JSON"),
+                           ("list.json", "list.json' item 0: not a JSON object"),
+                           ("empty.jsonl", "empty.jsonl' holds no rows")):
+        code, _, err = cli(capsys, "train", write(tmp_path, {**BASE, "dataset": str(tmp_path / name)}),
+                           "--output-dir", str(tmp_path / "out"))
+        assert_refused(code, err, f"stages[0].dataset.source: '{tmp_path / name}", fragment)
+        assert not (tmp_path / "out").exists()
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "dataset": str(tmp_path / "columns.json")}))
+    assert code == 0, err
+
+
+def test_duplicate_keys_and_a_shared_output_dir_are_refused(tmp_path, capsys):
+    path = tmp_path / "dup.yaml"
+    path.write_text("seed: 1\ntrainer: sft\nargs: {max_steps: 2, max_steps: 3}\n")
+    code, _, err = cli(capsys, "validate", str(path))
+    assert_refused(code, err, f"{path}: line 3: duplicate key 'max_steps' (first at line 3)")
+    code, _, err = cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", "/")
+    assert_refused(code, err, "output_dir: '/' is the file system root")
+
+
+def test_each_problem_is_one_line(tmp_path, capsys):
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "seed": -1}))
+    assert code == 2 and err.splitlines() == ["error: invalid recipe: seed: Input should be greater than or equal "
+                                              "to 0"]
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "seed": -1, "output_dir": 5}))
+    assert code == 2 and len(err.splitlines()) == 2 and all(line.startswith("error: invalid recipe: ")
+                                                            for line in err.splitlines())
 
 
 def test_a_model_path_that_is_a_file_or_not_a_model_folder(tmp_path, capsys):

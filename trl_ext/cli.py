@@ -291,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except RecipeError as exc:
         _debug_traceback(ns)
-        print("error: invalid recipe", file=sys.stderr)
-        for message in exc.messages:
-            print(f"  {message}", file=sys.stderr)
+        for message in exc.messages:  # one self-contained line per problem
+            print(f"error: invalid recipe: {message}", file=sys.stderr)
         return EXIT_USAGE
     except TrlExtError as exc:
         _debug_traceback(ns)

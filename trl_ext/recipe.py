@@ -55,6 +55,15 @@ def check_safe_name(value: str) -> str:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, value: Any, info) -> Any:
+        # pydantic's lax mode reads `true` as 1 for int/float fields (`seed: true`, `limit: yes`).
+        numeric = cls.model_fields[info.field_name].annotation in (int, float, int | None, float | None)
+        if numeric and isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        return value
+
 
 class PluginSelection(_Strict):
     name: str
@@ -198,7 +207,7 @@ class DistributedSpec(_Strict):
 
 class Recipe(_Strict):
     output_dir: str | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**32 - 1)  # numpy's seed range (transformers.set_seed)
     distributed: DistributedSpec | None = None
     # Training checkpoints (weights plus optimizer state, several times the model) are deleted once their stage is
     # complete: the stage folder holds the final model and later stages read only that. True keeps them (for
@@ -405,6 +414,15 @@ def _check_node_graph(root: yaml.Node, where: str) -> None:
             children = node.value
         elif isinstance(node, yaml.MappingNode):
             children = [item for pair in node.value for item in pair]
+            # YAML keeps the last of two equal keys silently (`max_steps: 2` ... `max_steps: 3`): refuse them.
+            first_line: dict[tuple[str, str], int] = {}
+            for key_node, _value in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    name = (key_node.tag, key_node.value)
+                    if name in first_line:
+                        raise RecipeError(f"{where}: line {key_node.start_mark.line + 1}: duplicate key "
+                                          f"{key_node.value!r} (first at line {first_line[name]})")
+                    first_line[name] = key_node.start_mark.line + 1
         else:
             children = []
         for child in children:
@@ -589,7 +607,9 @@ def check_args_fields(args: dict[str, Any], config_cls: type, where: str) -> lis
         elif key in hints:
             # HF/TRL configs do not type-check their fields; a string learning rate would only fail mid-training.
             try:
-                args[key] = TypeAdapter(hints[key]).validate_python(value)
+                # A boolean is not a number (lax mode reads `max_steps: true` as 1).
+                args[key] = TypeAdapter(hints[key]).validate_python(value, strict=True if isinstance(value, bool)
+                                                                    else None)
             except ValidationError as exc:
                 errors.append(f"{where}.args.{key}: {validation_message(exc.errors()[0])} (got {value!r})")
                 continue
@@ -665,6 +685,8 @@ ARG_RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "epsilon_high": (0, True, None, False),
     "label_smoothing": (0, True, 0.5, True),
     "dataloader_num_workers": (0, True, None, False),
+    "seed": (0, True, 2**32 - 1, True),
+    "data_seed": (0, True, 2**32 - 1, True),
 }
 
 

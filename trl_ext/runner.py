@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -105,8 +106,6 @@ def prerequisite_hint(message: str, recipe: Recipe) -> str:
     and stage name make that path."""
     import re
 
-    import yaml
-
     found = re.search(r"no such model folder '([^']+)'", message)
     if found is None:
         return ""
@@ -116,14 +115,16 @@ def prerequisite_hint(message: str, recipe: Recipe) -> str:
     if recipe_file is None:
         return ""
     wanted = Path(found.group(1))
+    from trl_ext.recipe import load_raw
+
     for candidate in sorted(recipe_file.parent.glob("*.yaml")):
         try:
-            data = yaml.safe_load(candidate.read_text())
-        except (OSError, yaml.YAMLError):
-            continue
-        if not isinstance(data, dict):
+            data = load_raw(candidate)  # bounded, UTF-8, a mapping; RecipeError otherwise
+        except RecipeError:
             continue
         stages = data.get("stages") or ([{"name": data.get("name", "main")}] if "trainer" in data else [])
+        if not isinstance(stages, list) or not isinstance(data.get("output_dir") or "", str):
+            continue
         out = Path(data.get("output_dir") or default_output_dir(candidate))
         for stage in stages:
             if isinstance(stage, dict) and out / str(stage.get("name", "main")) == wanted:
@@ -136,6 +137,11 @@ def output_dir_errors(output_dir: Path) -> list[str]:
     """The output directory must be a folder (or creatable as one) this process can write."""
     if output_dir.exists() and not output_dir.is_dir():
         return [f"output_dir: {str(output_dir)!r} exists and is not a folder"]
+    resolved = output_dir.expanduser().resolve()
+    shared = {Path(resolved.anchor): "the file system root", Path.home().resolve(): "the home folder"}.get(resolved)
+    if shared:
+        return [f"output_dir: {str(output_dir)!r} is {shared}; give a folder of its own (the run writes run.json, a "
+                "lock and one folder per stage into it)"]
     existing = output_dir
     while not existing.exists():
         existing = existing.parent
@@ -271,7 +277,10 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputDirError(f"output_dir: cannot create {str(self.path.parent)!r}: {exc.strerror}") from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         tmp = self.path.with_name(f"{LOCK_FILE}.{os.getpid()}.tmp")
@@ -363,6 +372,10 @@ def run_recipe(recipe: Recipe, output_dir: str | Path, catalog, max_steps: int |
     from accelerate import PartialState
 
     state = PartialState()
+    # matplotlib (the curves and plugins' plots) writes its font cache and config under $HOME unless told otherwise:
+    # keep them in the run. It reads the setting when first imported, so only a run that imports it first sets it.
+    if "matplotlib" not in sys.modules:
+        os.environ.setdefault("MPLCONFIGDIR", str(output_dir.resolve() / "_cache" / "matplotlib"))
     lock = RunLock(output_dir, echo)
     if state.is_main_process:
         lock.acquire()
@@ -485,7 +498,9 @@ def load_split(spec, catalog, stage: StageSpec, split_role: str, host):
         builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(suffix)
         if builder is None:
             raise RecipeError(f"dataset {source!r}: unsupported file type .{suffix} (use json, jsonl, csv or parquet)")
-        dataset = datasets.load_dataset(builder, data_files=source, split="train")
+        run = current_run()  # datasets' Arrow cache goes under the run, not ~/.cache/huggingface
+        dataset = datasets.load_dataset(builder, data_files=source, split="train",
+                                        cache_dir=str(run.output_dir / "_cache" / "datasets") if run else None)
     else:
         dataset = datasets.load_dataset(source, split=spec.split, **spec.params)
     if spec.limit is not None:

@@ -222,6 +222,14 @@ def build_peft_config(spec):
         raise RecipeError(f"peft.type: unknown PEFT method {spec.type!r}; known: "
                           f"{sorted(k.lower() for k in PEFT_TYPE_TO_CONFIG_MAPPING)}")
     fields.setdefault("task_type", "CAUSAL_LM")
+    # PEFT configs do not type-check their fields either; a bad `r` fails only in get_peft_model, after the model loaded.
+    from trl_ext.recipe import check_args_fields
+
+    problems = [m.removeprefix("peft.args.") for m in check_args_fields(fields, config_cls, "peft")]
+    problems += [f"{key}: must be >= 1 (got {fields[key]!r})" for key in ("r", "lora_alpha")
+                 if isinstance(fields.get(key), int) and fields[key] < 1]
+    if problems:
+        raise RecipeError([f"peft.{m}" for m in problems])
     try:
         return config_cls(**fields)
     except (TypeError, ValueError) as exc:
@@ -277,10 +285,12 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
             errors += problems or _builder_value_errors(builder, spec, f"{where}.{field_name}.params")
             continue
         path = Path(spec.source).expanduser()
-        if spec.source.startswith((".", "/", "~")) and not path.exists():
+        looks_local = spec.source.startswith((".", "/", "~")) or path.suffix.lower() in LOCAL_DATA_SUFFIXES
+        if looks_local and not path.exists():
             errors.append(f"{where}.{field_name}.source: no such file or folder {spec.source!r}")
             continue
-        local_problems = local_split_errors(path, spec, f"{where}.{field_name}")
+        field = f"{where}.{field_name}"
+        local_problems = local_split_errors(path, spec, field) or local_rows_errors(path, spec, field)
         if local_problems:
             errors += local_problems
             continue
@@ -352,6 +362,46 @@ def _builder_value_errors(builder, spec, where: str) -> list[str]:
     except (ValueError, TypeError) as exc:
         return [f"{where}: {exc}"]
     return []
+
+
+LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def local_rows_errors(path: Path, spec, where: str) -> list[str]:
+    """A local JSON-lines file has at least one row and every row is a JSON object; a JSON file is one valid document
+    (a list of objects, or an object as datasets reads it), else JSON lines. datasets would fail on a torn or
+    non-object line, or an empty file, only while the stage starts, after the model was materialized."""
+    suffix = path.suffix.lower()
+    if not path.is_file() or suffix not in (".jsonl", ".json"):
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return [f"{where}.source: cannot read {spec.source!r}: {exc}"]
+    if suffix == ".json":
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:
+            document = None  # JSON lines under a .json name, as datasets also accepts
+        if isinstance(document, dict):
+            return []
+        if isinstance(document, list):
+            bad = next((i for i, row in enumerate(document) if not isinstance(row, dict)), None)
+            if bad is not None:
+                return [f"{where}.source: {spec.source!r} item {bad}: not a JSON object"]
+            return [] if document else [f"{where}.source: {spec.source!r} holds no rows"]
+    rows = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return [f"{where}.source: {spec.source!r} line {number}: not valid JSON ({exc.msg})"]
+        if not isinstance(row, dict):
+            return [f"{where}.source: {spec.source!r} line {number}: not a JSON object"]
+        rows += 1
+    return [] if rows else [f"{where}.source: {spec.source!r} holds no rows"]
 
 
 def local_dataset_columns(path: Path) -> set[str] | None:
