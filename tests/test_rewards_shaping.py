@@ -88,22 +88,34 @@ def test_conformance_and_zero_weight_refused():
     assert LengthShaping(LengthShapingParams(weight=0.0)).trl_ext_validate_stage(None, [])
 
 
+class RecordingShaping(LengthShaping):
+    """length_shaping that keeps what each shaping call saw and returned: (before, after, lengths, batch)."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.seen = []
+
+    def trl_ext_shape_rewards(self, rewards_per_func, batch):
+        out = super().trl_ext_shape_rewards(rewards_per_func, batch)
+        self.seen.append((rewards_per_func.clone(), out.clone(), batch.completion_lengths.clone(), batch))
+        return out
+
+
+RecordingShaping.trl_ext_shape_rewards.trl_ext_impl = LengthShaping.trl_ext_shape_rewards.trl_ext_impl
+
+
+def _one_grpo_step(tiny_trainer, params):
+    spy = RecordingShaping(params)
+    tiny_trainer("grpo", plugins=[MathVerify(), spy],
+                 args={"max_steps": 1, "max_completion_length": 6, "temperature": 1.0}).train()
+    assert spy.seen
+    return spy.seen[0]
+
+
 def test_grpo_math_verify_plus_kimi_end_to_end(tiny_trainer):
     """GRPO on the tiny model with math_verify + length_shaping(kimi): the shaped column reaches the trainer."""
-    seen = []
-
-    class Spy(LengthShaping):
-        def trl_ext_shape_rewards(self, rewards_per_func, batch):
-            out = super().trl_ext_shape_rewards(rewards_per_func, batch)
-            seen.append((rewards_per_func.clone(), out.clone(), batch.completion_lengths.clone(), batch.reward_names))
-            return out
-
-    Spy.trl_ext_shape_rewards.trl_ext_impl = LengthShaping.trl_ext_shape_rewards.trl_ext_impl
-    trainer = tiny_trainer("grpo", plugins=[MathVerify(), Spy(LengthShapingParams(mode="kimi"))],
-                           args={"max_steps": 1, "max_completion_length": 6, "temperature": 1.0})
-    trainer.train()
-    assert seen
-    before, after, lengths, names = seen[0]
+    before, after, lengths, batch = _one_grpo_step(tiny_trainer, LengthShapingParams(mode="kimi"))
+    names = batch.reward_names
     assert names == ["math_verify", "length_shaping"]
     assert torch.equal(before[:, 0].nan_to_num(-7), after[:, 0].nan_to_num(-7))
     expected = formulas.kimi_length_reward(lengths, before[:, 0].nan_to_num(0) > 0.5, 4)
@@ -113,20 +125,9 @@ def test_grpo_math_verify_plus_kimi_end_to_end(tiny_trainer):
 def test_cosine_truncated_rule_in_a_grpo_step(tiny_trainer):
     """cosine_beyond_max: truncated in training: a completion that fills max_completion_length totals cosine_exceed,
     the others the cosine of their length (L_max = the budget, 6 tokens)."""
-    seen = []
-
-    class Spy(LengthShaping):
-        def trl_ext_shape_rewards(self, rewards_per_func, batch):
-            out = super().trl_ext_shape_rewards(rewards_per_func, batch)
-            seen.append((rewards_per_func.clone(), out.clone(), batch.completion_lengths.clone(), batch.reward_weights))
-            return out
-
-    Spy.trl_ext_shape_rewards.trl_ext_impl = LengthShaping.trl_ext_shape_rewards.trl_ext_impl
     params = LengthShapingParams(mode="cosine", max_length=6, cosine_beyond_max="truncated")
-    trainer = tiny_trainer("grpo", plugins=[MathVerify(), Spy(params)],
-                           args={"max_steps": 1, "max_completion_length": 6, "temperature": 1.0})
-    trainer.train()
-    before, after, lengths, weights = seen[0]
+    before, after, lengths, batch = _one_grpo_step(tiny_trainer, params)
+    weights = batch.reward_weights
     total = (after.double().nan_to_num(0) * weights.double()).sum(1)
     cosine = formulas.cosine_length_reward(lengths, before[:, 0].nan_to_num(0) > 0.5, 6)
     cut = lengths >= 6
