@@ -2,10 +2,10 @@
 
 For an SFT, a GRPO, a BOND (moving EMA anchor) and a DPO stage (tiny embedded model, 4 steps, a checkpoint every 2):
 one uninterrupted run, then for each write point a run killed there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py:
-``os._exit(137)``, which is what SIGKILL leaves: no cleanup, no ``finally``) followed by the same command again. The resumed run's final weights
-(``model.safetensors``, compared tensor by tensor with ``torch.equal``) and every per-step metrics row must equal the
-uninterrupted run's. The end-of-training row is Trainer's own summary (runtimes; ``train_loss`` averaged over the
-steps of the session that logs it), so only its presence is compared.
+``os._exit(137)``, which is what SIGKILL leaves: no cleanup, no ``finally``) followed by the same command again.
+The resumed run's final weights (``model.safetensors``, compared tensor by tensor with ``torch.equal``) and every
+per-step metrics row must equal the uninterrupted run's. The end-of-training row is Trainer's own summary (runtimes;
+``train_loss`` averaged over the steps of the session that logs it), so only its presence is compared.
 
 Each trainer runs in one subprocess that imports TRL once and forks a child per run (fork keeps the cost at training
 time, not import time); the child calls ``trl_ext.cli.main`` exactly as the command line does.
@@ -38,8 +38,8 @@ RECIPES = {
                  "temperature": 1.0},
     },
     "bond": {  # BOND's moving (EMA) anchor is state outside the policy: the checkpoint must carry it
-        "trainer": "grpo", "model": "embedded:tiny-qwen2-small", "dataset": {"source": "embedded:arithmetic",
-                                                                            "params": {"format": "prompt"}, "limit": 64},
+        "trainer": "grpo", "model": "embedded:tiny-qwen2-small",
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 64},
         "plugins": ["grpo", {"bond": {"beta": 0.5, "anchor": "ema", "ema_rate": 0.5}}],
         "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
                  "temperature": 1.0},

@@ -379,8 +379,7 @@ def test_evaluate_generation_on_a_real_model_is_deterministic(tokenizer):
 
 
 def test_sampled_evaluation_is_the_mean_over_k_draws_seeded_and_leaves_the_training_rng(tokenizer):
-    from trl_ext.recipe import EvaluationSpec
-    from trl_ext.runner import sampled_evaluation
+    from trl_ext.evaluation import sampled_evaluation
 
     model = build_model("tiny-qwen2", seed=0)
     data = arithmetic_dataset("test", size=12)
@@ -390,18 +389,17 @@ def test_sampled_evaluation_is_the_mean_over_k_draws_seeded_and_leaves_the_train
         draws.append(completions)
         return [float(len(c) % 2 == 0) for c in completions]
 
-    ev = EvaluationSpec(dataset="embedded:arithmetic", reward="exact_match", mean_at_k=3, temperature=1.0,
-                        max_new_tokens=6, batch_size=5)
+    ev = {"k": 3, "temperature": 1.0, "max_new_tokens": 6, "batch_size": 5}
     torch.manual_seed(123)
     untouched = torch.rand(4)
     torch.manual_seed(123)
-    first = sampled_evaluation(model, tokenizer, data, even_length, ev, seed=5)
+    first = sampled_evaluation(model, tokenizer, data, even_length, seed=5, **ev)
     assert torch.equal(torch.rand(4), untouched)  # the training's random stream goes on as if nothing was drawn
     assert first["sampled_n"] == 36 and len(draws[0]) == 36  # k completions of every prompt
     assert first["sampled_accuracy"] == sum(len(c) % 2 == 0 for c in draws[0]) / 36
     assert 0 < first["sampled_accuracy"] < 1
-    assert sampled_evaluation(model, tokenizer, data, even_length, ev, seed=5) == first and draws[1] == draws[0]
-    sampled_evaluation(model, tokenizer, data, even_length, ev, seed=6)
+    assert sampled_evaluation(model, tokenizer, data, even_length, seed=5, **ev) == first and draws[1] == draws[0]
+    sampled_evaluation(model, tokenizer, data, even_length, seed=6, **ev)
     assert draws[2] != draws[0]  # the recipe's seed decides the draw
 
 

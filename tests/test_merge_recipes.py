@@ -14,7 +14,8 @@ from trl_ext.recipe import parse_recipe
 from trl_ext.runner import resolve_recipe, run_recipe
 from trl_ext.testing import check_plugin_conformance, fresh_catalog
 from trl_ext_plugins.merge.checkpoint_average import CheckpointAverage
-from trl_ext_plugins.merge.warp import ANCHOR_FILE, Warp
+from trl_ext.callbacks import REFERENCE_FILE as ANCHOR_FILE
+from trl_ext_plugins.merge.warp import Warp
 from trl_ext_plugins.rewards.exact_match import ExactMatch
 from trl_ext_plugins.trainers.sft import SFT
 

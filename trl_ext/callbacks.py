@@ -108,10 +108,10 @@ def plugin_checkpoints_before_completion(trainer) -> Iterator[None]:
     """Callbacks added inside the block (plugins' ``trl_ext_trainer_created``) run before
     :class:`CheckpointCompletionCallback`.
 
-    Plugins add their own checkpoint callbacks (``partial_rollout``'s buffer, ``ppo``'s critic, ``warp``'s anchor,
-    :class:`PluginStateCheckpoint`) after the trainer was built with the completion callback; Trainer runs ``on_save``
-    in list order, so without this a kill between the marker and a plugin's file left a checkpoint marked complete
-    that lacks the file. The other callbacks keep their places.
+    Plugins add their own checkpoint callbacks (``partial_rollout``'s buffer, ``ppo``'s critic,
+    :class:`ReferenceModelCheckpoint`, :class:`PluginStateCheckpoint`) after the trainer was built with the completion
+    callback; Trainer runs ``on_save`` in list order, so without this a kill between the marker and a plugin's file
+    left a checkpoint marked complete that lacks the file. The other callbacks keep their places.
     """
     handler = getattr(trainer, "callback_handler", None)  # trainers that train nothing (merge stages) have none
     before = list(handler.callbacks) if handler is not None else []
@@ -157,3 +157,46 @@ class PluginStateCheckpoint(TrainerCallback):
             raise FileNotFoundError(f"plugin {self.name!r}: resuming at step {state.global_step} but {path} is "
                                     "missing; its state cannot be restored")
         self.set_state(json.loads(path.read_text(encoding="utf-8")))
+
+
+REFERENCE_FILE = "ema_anchor.safetensors"
+
+
+class ReferenceModelCheckpoint(TrainerCallback):
+    """Saves TRL's reference model with every checkpoint and restores it on resume, for plugins that move it during
+    training (``warp``'s and ``bond``'s EMA anchor).
+
+    TRL checkpoints hold the policy and optimizer, not the reference model; without this a stage resumed after a crash
+    would restart its anchor from the initial model instead of the EMA it had reached. A plugin adds it in
+    ``trl_ext_trainer_created``, so it writes before the checkpoint is marked complete.
+    """
+
+    def __init__(self, trainer):
+        self.trainer, self._checked = trainer, False
+
+    def _reference(self):
+        return self.trainer.accelerator.unwrap_model(self.trainer.ref_model)
+
+    def on_save(self, args, state, control, **kwargs):
+        from safetensors.torch import save_model
+
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            save_model(self._reference(), str(folder / REFERENCE_FILE))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._checked:
+            return
+        self._checked = True
+        if state.global_step == 0:  # a fresh start: the reference is the stage's initial model, as TRL built it
+            return
+        import warnings
+
+        from safetensors.torch import load_model
+
+        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / REFERENCE_FILE
+        if path.is_file():
+            load_model(self._reference(), str(path))
+        else:
+            warnings.warn(f"resuming at step {state.global_step} without {path}; the moving reference model restarts "
+                          f"from the stage's initial model", stacklevel=1)

@@ -89,6 +89,18 @@ def evaluate_generation(
     }
 
 
+def sampled_evaluation(model, tokenizer, dataset, reward_fn: Callable[..., list[float]], k: int, temperature: float,
+                       seed: int, max_new_tokens: int = 8, batch_size: int = 64) -> dict:
+    """``k`` sampled completions per prompt at ``temperature``: their mean accuracy and reward (the sampled pass@1 of
+    RL papers), as ``sampled_accuracy``, ``sampled_reward_mean``, ``sampled_n``. The draw comes from a forked RNG
+    seeded with ``seed``, so adding the evaluation changes no training sample."""
+    sampled = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=max_new_tokens,
+                                  batch_size=batch_size, greedy=False, temperature=temperature, num_samples=k,
+                                  seed=seed)
+    return {"sampled_accuracy": sampled["accuracy"], "sampled_reward_mean": sampled["reward_mean"],
+            "sampled_n": sampled["n"]}
+
+
 @contextlib.contextmanager
 def _seeded_rng(seed: int, device: torch.device):
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):

@@ -726,7 +726,7 @@ def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: Res
     asks for ``mean_at_k`` (main process; others wait)."""
     from accelerate import PartialState
 
-    from trl_ext.evaluation import evaluate_generation
+    from trl_ext.evaluation import evaluate_generation, sampled_evaluation
     from trl_ext.host import PluginHost
     from trl_ext.rewards import collect_reward_functions, weighted_reward
 
@@ -743,23 +743,13 @@ def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: Res
         result = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
                                      batch_size=ev.batch_size)
         if ev.mean_at_k:
-            result.update(sampled_evaluation(model, tokenizer, dataset, reward_fn, ev, seed=ctx.recipe.seed or 0))
+            result.update(sampled_evaluation(model, tokenizer, dataset, reward_fn, ev.mean_at_k, ev.temperature,
+                                             seed=ctx.recipe.seed or 0, max_new_tokens=ev.max_new_tokens,
+                                             batch_size=ev.batch_size))
         ctx.echo(f"[trl-ext] stage {spec.name!r} held-out: " + ", ".join(f"{k}={v:.4g}" for k, v in result.items()
                                                                            if isinstance(v, (int, float))))
     state.wait_for_everyone()
     return result
-
-
-def sampled_evaluation(model, tokenizer, dataset, reward_fn, ev, seed: int) -> dict[str, Any]:
-    """``ev.mean_at_k`` sampled completions per prompt at ``ev.temperature``: their mean accuracy and reward. The draw
-    is seeded by the recipe on a forked RNG, so adding the evaluation changes no training sample."""
-    from trl_ext.evaluation import evaluate_generation
-
-    sampled = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
-                                  batch_size=ev.batch_size, greedy=False, temperature=ev.temperature,
-                                  num_samples=ev.mean_at_k, seed=seed)
-    return {"sampled_accuracy": sampled["accuracy"], "sampled_reward_mean": sampled["reward_mean"],
-            "sampled_n": sampled["n"]}
 
 
 def format_summary(run_info: dict[str, Any]) -> str:

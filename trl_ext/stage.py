@@ -222,7 +222,8 @@ def build_peft_config(spec):
         raise RecipeError(f"peft.type: unknown PEFT method {spec.type!r}; known: "
                           f"{sorted(k.lower() for k in PEFT_TYPE_TO_CONFIG_MAPPING)}")
     fields.setdefault("task_type", "CAUSAL_LM")
-    # PEFT configs do not type-check their fields either; a bad `r` fails only in get_peft_model, after the model loaded.
+    # PEFT configs do not type-check their fields either: a bad `r` fails only in get_peft_model, after the model
+    # loaded.
     from trl_ext.recipe import check_args_fields
 
     problems = [m.removeprefix("peft.args.") for m in check_args_fields(fields, config_cls, "peft")]

@@ -89,13 +89,12 @@ class BOND(Plugin):
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
         if self.params.anchor == "ema":
-            from trl_ext_plugins.merge.warp import EmaAnchorState
+            from trl_ext.callbacks import ReferenceModelCheckpoint
 
             trainer.add_callback(EMAAnchor(trainer, self.params.ema_rate))
-            # The moving anchor is state a resume depends on: TRL checkpoints hold the policy, not ref_model, so
-            # without this a resumed stage restarts the anchor from the initial model. Saved into every checkpoint
-            # (before its completion marker, see trl_ext.callbacks.plugin_checkpoints_before_completion).
-            trainer.add_callback(EmaAnchorState(trainer))
+            # The moving anchor is TRL's reference model, which checkpoints do not hold: without this a resumed stage
+            # restarts the anchor from the initial model.
+            trainer.add_callback(ReferenceModelCheckpoint(trainer))
 
 
 def bond_advantages(rewards: torch.Tensor, group_size: int, n: int, beta: float) -> torch.Tensor:

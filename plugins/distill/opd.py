@@ -15,8 +15,8 @@ stage's other plugins and TRL, so every correction composes with them. Conventio
   by vLLM (``vllm:<url>``), one request per batch returning the sampled tokens' log-probabilities.
 * ``A_task`` is TRL GRPO's reward advantage under the run's ``args.scale_rewards``: ``(r - group mean) / (std +
   1e-4)`` with the group's std (``group``, the default) or the whole batch's (``batch``), or no division (``none``),
-  broadcast to every token; ``alpha = 0`` (default) is pure distillation, which needs no reward signal (a reward plugin is still required by the GRPO trainer; its rewards are then only
-  logged). Advantages are detached.
+  broadcast to every token; ``alpha = 0`` (default) is pure distillation, which needs no reward signal (a reward
+  plugin is still required by the GRPO trainer; its rewards are then only logged). Advantages are detached.
 * Routing: each row goes to exactly one teacher, chosen by its dataset columns; a row is only ever fed to its own
   teacher's forward pass.
 """

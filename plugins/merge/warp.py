@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import Field
-from transformers import TrainerCallback
 
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext_plugins.merge.math import NonFiniteWeightsError, ZeroTaskVectorError, slerp_fold_coefficients
@@ -16,7 +14,6 @@ from trl_ext_plugins.merge.refs import on_main_then_wait, resolve_source
 from trl_ext_plugins.merge.streaming import stream_merge
 
 MERGE_TRAINER = "merge"
-ANCHOR_FILE = "ema_anchor.safetensors"
 
 
 class WarpParams(PluginParams):
@@ -35,41 +32,6 @@ class WarpParams(PluginParams):
     zero_task_vector: Literal["error", "linear"] = Field(
         "error", description="a tensor whose task vector is exactly zero in some run (a frozen tensor) has no "
         "direction: 'error' refuses naming the tensor and run; 'linear' interpolates it linearly instead")
-
-
-class EmaAnchorState(TrainerCallback):
-    """Saves the EMA anchor (TRL's reference model) with every checkpoint and restores it on resume.
-
-    TRL checkpoints hold the policy and optimizer, not the reference model; without this a stage resumed after a
-    crash would restart its anchor from theta_init instead of the EMA it had reached.
-    """
-
-    def __init__(self, trainer):
-        self.trainer, self._checked = trainer, False
-
-    def _anchor(self):
-        return self.trainer.accelerator.unwrap_model(self.trainer.ref_model)
-
-    def on_save(self, args, state, control, **kwargs):
-        from safetensors.torch import save_model
-
-        if state.is_world_process_zero:
-            save_model(self._anchor(), str(Path(args.output_dir) / f"checkpoint-{state.global_step}" / ANCHOR_FILE))
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self._checked:
-            return
-        self._checked = True
-        if state.global_step == 0:  # a fresh start: the anchor is theta_init, as TRL built it
-            return
-        from safetensors.torch import load_model
-
-        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / ANCHOR_FILE
-        if path.is_file():
-            load_model(self._anchor(), str(path))
-        else:
-            warnings.warn(f"warp: resuming at step {state.global_step} without {path}; the EMA anchor restarts from "
-                          f"the stage's initial model", stacklevel=1)
 
 
 def warp_weights(eta: float, slerp_t: float | None, colinear_threshold: float, zero_task_vector: str,
@@ -175,12 +137,11 @@ class Warp(Plugin):
     def trl_ext_trainer_created(self, trainer):
         if getattr(trainer, "ref_model", None) is None:
             return
-        from trl_ext.callbacks import CheckpointCompletionCallback
+        from trl_ext.callbacks import ReferenceModelCheckpoint
 
-        # The anchor must be in a checkpoint before the runner marks the checkpoint complete (both write on_save).
-        callbacks = trainer.callback_handler.callbacks
-        marker = next((i for i, cb in enumerate(callbacks) if isinstance(cb, CheckpointCompletionCallback)), None)
-        callbacks.insert(len(callbacks) if marker is None else marker, EmaAnchorState(trainer))
+        # The EMA anchor is TRL's reference model, which checkpoints do not hold (added here, it is written before
+        # the runner marks a checkpoint complete: trl_ext.callbacks.plugin_checkpoints_before_completion).
+        trainer.add_callback(ReferenceModelCheckpoint(trainer))
 
     @hookimpl
     def trl_ext_after_stage(self, stage, output_dir, trainer):

@@ -11,6 +11,7 @@ from pydantic import Field
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rewards import formulas
+from trl_ext_plugins.rewards.judging import as_text
 from trl_ext_plugins.rewards.llm_judge import JudgeBackendParams
 from trl_ext_plugins.rewards.scoring import STAGE_PREFIX, LazyScorer, resolve_ref
 
@@ -114,8 +115,6 @@ class PRMScorer(LazyScorer):
 
     def __call__(self, prompts, completions, **_kwargs) -> list[float]:
         model, tok = self.ensure_loaded()
-        from trl_ext_plugins.rewards.judging import as_text
-
         steps = [split_steps(as_text(c), self.params.separator) if self.split else [as_text(c)] for c in completions]
         # a conversational prompt is scored with its question text (as_text: the last message), not dropped
         probs = step_probabilities(model, tok, [as_text(p) for p in prompts], steps, self.params.separator,

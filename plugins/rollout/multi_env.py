@@ -436,7 +436,7 @@ class MultiEnv(Plugin):
         """Greedy held-out score of every environment that has an ``eval_dataset`` (main process; others: {})."""
         from accelerate import PartialState
 
-        from trl_ext.evaluation import evaluate_generation
+        from trl_ext.evaluation import evaluate_generation, sampled_evaluation
         from trl_ext.host import PluginHost
         from trl_ext.rewards import collect_reward_functions, weighted_reward
 
@@ -472,13 +472,10 @@ class MultiEnv(Plugin):
                                                 max_new_tokens=self.params.eval_max_new_tokens,
                                                 batch_size=self.params.eval_batch_size)
             if self.params.eval_mean_at_k is not None:
-                sampled = evaluate_generation(
-                    model, tokenizer, data, score, max_new_tokens=self.params.eval_max_new_tokens,
-                    batch_size=self.params.eval_batch_size, greedy=False,
-                    temperature=self.params.eval_temperature or 1.0, num_samples=self.params.eval_mean_at_k,
-                    seed=trainer.args.seed)
-                out[env.name].update(sampled_accuracy=sampled["accuracy"], sampled_reward_mean=sampled["reward_mean"],
-                                     sampled_n=sampled["n"])
+                out[env.name].update(sampled_evaluation(
+                    model, tokenizer, data, score, self.params.eval_mean_at_k, self.params.eval_temperature or 1.0,
+                    seed=trainer.args.seed, max_new_tokens=self.params.eval_max_new_tokens,
+                    batch_size=self.params.eval_batch_size))
         return out
 
 
