@@ -100,6 +100,24 @@ def test_a_checker_needing_missing_nltk_data_is_named_before_training(monkeypatc
         constraints.checker_problem.cache_clear()
 
 
+def test_loading_the_ifbench_checkers_downloads_nothing(monkeypatch):
+    """if-verifiable's IFBench module fetches missing NLTK data into ~/nltk_data at import: nothing may download at
+    run time or write outside the run, so the import runs with nltk.download disabled."""
+    import sys
+
+    import nltk
+
+    from trl_ext_plugins.rewards.constraints import checker_registry
+
+    downloads = []
+    monkeypatch.setattr(nltk, "download", lambda name, *args, **kwargs: downloads.append(name))
+    monkeypatch.setattr(nltk.data, "find", lambda path, *args, **kwargs: (_ for _ in ()).throw(LookupError(path)))
+    for name in [m for m in sys.modules if m.startswith("if_verifiable.ifbench")]:
+        monkeypatch.delitem(sys.modules, name)  # import afresh: the download runs at module import
+    registry = checker_registry("ifbench")
+    assert len(registry) > 50 and downloads == []
+    assert nltk.download is not None and nltk.download("x") is None and downloads == ["x"]  # the spy is back
+
 def test_the_embedded_instruction_task_passes_the_check():
     from trl_ext.catalog import Catalog
     from trl_ext.runner import load_split

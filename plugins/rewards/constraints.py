@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
@@ -26,12 +27,30 @@ class ConstraintsParams(PluginParams):
     kwargs_column: str = Field("kwargs", description="dataset column: one argument mapping per constraint")
 
 
+@contextlib.contextmanager
+def no_nltk_downloads():
+    """Turn ``nltk.download`` into a no-op for the block.
+
+    if-verifiable's IFBench module calls ``nltk.download`` at import for every NLTK resource it cannot find: a network
+    fetch into ``~/nltk_data``, outside the run (and nothing may download at run time). A checker whose data is missing
+    is refused by :func:`checker_problem` instead, naming the resource to install."""
+    import nltk
+
+    original = nltk.download
+    nltk.download = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        nltk.download = original
+
+
 def checker_registry(benchmark: str) -> dict:
     """The checker classes if-verifiable knows for ``benchmark``, by constraint id."""
     if benchmark == "ifeval":
         from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
     else:
-        from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
+        with no_nltk_downloads():
+            from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
     return INSTRUCTION_DICT
 
 
