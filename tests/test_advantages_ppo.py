@@ -210,6 +210,19 @@ def test_critic_warmup_leaves_the_policy_unchanged(tiny_trainer):
     assert trainer.state.log_history[0]["ppo/critic_warmup"] == 1.0
 
 
+def test_vapo_critic_warmup_leaves_the_policy_unchanged_with_the_nll_term_on(tiny_trainer):
+    """Value pre-training trains the critic alone: the positive-example NLL term (mu 0.1, on by default) must not
+    move the policy during the warm-up either (its gradient does not pass through the zeroed advantages)."""
+    plugin = VAPO(VAPOParams(critic_warmup_steps=2, critic_lr=1e-3, nll_coef=0.1, positive_threshold=0.4))
+    trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 2, "learning_rate": 1e-2},
+                           reward_funcs=[scripted(REWARDS)])
+    policy = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    assert all(torch.equal(v, policy[k]) for k, v in trainer.model.state_dict().items())
+    rows = [r for r in trainer.state.log_history if "ppo/critic_warmup" in r]
+    assert len(rows) == 2 and not any("vapo/nll" in r for r in rows)
+
+
 def test_critic_from_a_reward_model_path_takes_its_score_head(tiny_model_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification
 

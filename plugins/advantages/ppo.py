@@ -160,6 +160,10 @@ class PPO(RewardKLHooks, Plugin):
 
     # -- advantages and the critic update ---------------------------------------------------------------------------
 
+    def in_critic_warmup(self, trainer) -> bool:
+        """Whether this rollout falls in the first ``critic_warmup_steps`` optimizer steps (only the critic learns)."""
+        return trainer is not None and trainer.state.global_step < self.params.critic_warmup_steps
+
     def policy_lambda(self, mask: torch.Tensor) -> float | torch.Tensor:
         if self.params.length_adaptive_alpha is None:
             return self.params.lam
@@ -196,7 +200,7 @@ class PPO(RewardKLHooks, Plugin):
             batch.metrics["ppo/value_loss"] = self.update_critic(critic_inputs, old_values, returns, mask, batch)
         if p.whiten_advantages:
             advantages = masked_whiten(advantages, mask, reduce)
-        if trainer is not None and trainer.state.global_step < p.critic_warmup_steps:
+        if self.in_critic_warmup(trainer):
             batch.metrics["ppo/critic_warmup"] = 1.0
             advantages = torch.zeros_like(advantages)
         return advantages.detach()

@@ -40,7 +40,7 @@ class VAPO(PPO):
     The ``ppo`` plugin (critic, GAE, clipped value loss, checkpointing) with VAPO's parts, each switchable:
 
     * value pre-training: ``critic_warmup_steps`` (50) steps in which only the critic learns, on the starting policy's
-      samples, with ``lam_critic`` 1 and gamma 1, i.e. on Monte-Carlo returns;
+      samples, with ``lam_critic`` 1 and gamma 1, i.e. on Monte-Carlo returns (advantages 0 and no NLL term);
     * decoupled GAE: critic targets with ``lam_critic`` 1.0, policy advantages with the length-adaptive
       ``lambda = 1 - 1/(alpha * l)`` (alpha 0.05; ``alpha * l`` clamped to >= 1 so lambda is in [0, 1], NeMo-RL);
     * clip-higher: ``args.epsilon_high`` 0.28 (with the recipe's ``epsilon`` 0.2 as the lower side);
@@ -70,7 +70,9 @@ class VAPO(PPO):
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
         advantages = super().trl_ext_compute_advantages(rewards, batch)
-        if self.params.nll_coef > 0:
+        # Value pre-training trains the critic alone: the NLL term would move the policy on its own (its gradient does
+        # not go through the zeroed advantages), so no positive set is formed during the warm-up.
+        if self.params.nll_coef > 0 and not self.in_critic_warmup(batch.trainer):
             positive = torch.nan_to_num(rewards, nan=float("-inf")) > self.params.positive_threshold
             mine = local(positive, batch).to(torch.float32)
             tokens = (batch.loss_mask * mine.unsqueeze(-1)).sum()
