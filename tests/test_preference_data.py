@@ -140,6 +140,19 @@ def test_best_worst_pairs_skip_ties():
     assert best_worst_pairs(prompts, [["b1", "b2"]] * 3, score, 0) is None
 
 
+def test_best_worst_pairs_leave_unscorable_samples_out():
+    """A NaN score is neither best nor worst: the prompt pairs its scored samples (was dropped when the NaN came
+    first, since max/min never move off a NaN)."""
+    nan = float("nan")
+    prompts = Dataset.from_list([{"prompt": p} for p in ("a", "b", "c")])
+    table = {"a1": nan, "a2": 0.0, "a3": 1.0, "b1": 2.0, "b2": nan, "b3": 0.5, "c1": nan, "c2": 1.0}
+    score = lambda prompts, completions: [table[c] for c in completions]  # noqa: E731
+    pairs = best_worst_pairs(prompts, [["a1", "a2", "a3"], ["b1", "b2", "b3"], ["c1", "c2"]], score, 0)
+    assert pairs.to_list() == [
+        {"prompt": "a", "chosen": "a3", "rejected": "a2", "score_gap": 1.0, "round": 0},
+        {"prompt": "b", "chosen": "b1", "rejected": "b3", "score_gap": 1.5, "round": 0}]
+
+
 def test_reward_plugin_by_name_scores_samples():
     score = gen.reward_function_from_plugin("exact_match")
     assert score(prompts=["1+1=", "1+1="], completions=["2<eos>", "3<eos>"], answer=["2", "2"]) == [1.0, 0.0]

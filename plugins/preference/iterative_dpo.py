@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -164,7 +165,9 @@ class IterativeDPO(Plugin):
 
 
 def best_worst_pairs(prompts, samples: list[list[str]], score, round_index: int):
-    """(best, worst) sample per prompt by ``score``; prompts whose scores all tie are skipped. ``None`` if no pair."""
+    """(best, worst) sample per prompt by ``score``; prompts whose scores all tie are skipped. ``None`` if no pair.
+
+    NaN scores (unscorable samples) are left out; a prompt with fewer than two scored samples forms no pair."""
     flat_prompts = [p for p, group in zip(prompts["prompt"], samples) for _ in group]
     columns = {c: [v for v, group in zip(prompts[c], samples) for _ in group]
                for c in prompts.column_names if c != "prompt"}
@@ -175,8 +178,13 @@ def best_worst_pairs(prompts, samples: list[list[str]], score, round_index: int)
     for row, group in enumerate(samples):
         group_scores = [float(s) for s in scores[offset:offset + len(group)]]
         offset += len(group)
-        best = max(range(len(group)), key=lambda i: group_scores[i])
-        worst = min(range(len(group)), key=lambda i: group_scores[i])
+        # An unscorable (NaN) sample takes no part: max/min compare NaN as neither larger nor smaller, so a NaN in
+        # first place would be both best and worst and drop the prompt, and one elsewhere would be skipped silently.
+        scored = [i for i, s in enumerate(group_scores) if not math.isnan(s)]
+        if len(scored) < 2:
+            continue
+        best = max(scored, key=lambda i: group_scores[i])
+        worst = min(scored, key=lambda i: group_scores[i])
         if group_scores[best] == group_scores[worst] or group[best] == group[worst]:
             continue
         keep.append(row)
