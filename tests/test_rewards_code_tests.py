@@ -90,6 +90,22 @@ def test_extract_code():
     assert extract_code("z = 3") == "z = 3"
 
 
+SOLUTION = "def f(x):\n    return x * x + 1\n"
+
+
+@pytest.mark.parametrize("completion", [
+    # an example block in another language before the code: its closing fence is not an opening one
+    f"Input:\n```text\n2\n```\nSolution:\n```python\n{SOLUTION}```\n",
+    f"Run it with:\n```bash\npython sol.py\n```\nwhere sol.py is\n```python3\n{SOLUTION}```",
+    f"```console\n$ python sol.py\n5\n```\nthen\n```Python\n{SOLUTION}```",
+    # a block inside a list item: the fence's indentation is not the code's
+    "1. The function:\n   ```python\n" + "".join("   " + line for line in SOLUTION.splitlines(True)) + "   ```\n",
+])
+def test_extract_code_pairs_fences_by_line(completion):
+    assert extract_code(completion) == SOLUTION
+    assert extract_code(f"```py\n{SOLUTION.rstrip()}```") == SOLUTION.rstrip()  # closing fence right after the code
+
+
 def test_rows_that_fit_neither_format_are_named():
     rows = [json.dumps(["assert f(1) == 2"]), "assert g(1) > 2", None, [{"stdin": "1", "stdout": "1"}]]
     problems = row_problems(rows)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -21,13 +20,44 @@ from trl_ext_plugins.rewards.code_tests import (VERDICTS, StdoutMatch, Test, Tes
 from trl_ext_plugins.rewards.sandbox import UNSAFE_WARNING, SandboxLimits, bwrap_problem, run_sample
 from trl_ext_plugins.rewards.verify_math import completion_text
 
-FENCE = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
+PYTHON_LABELS = frozenset({"", "python", "py", "python3", "py3"})  # fence labels of a candidate (lower case)
 _ROW_ERRORS_SHOWN = 5
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(label, body) of every closed fenced block, fences paired line by line as Markdown pairs them.
+
+    A fence opens on a line that starts (after indentation) with three backticks; its label is the first word after
+    them, lower-cased ("" when none). It closes on the next line made only of backticks, or whose code ends with
+    them (```` x = 1``` ````). As in CommonMark, the body loses up to as many leading spaces as the opening fence
+    is indented (a block inside a list item). Pairing by line matters: searching for backtick runs instead takes
+    the closing fence of a ```` ```text ```` example for the opening of a new block, and runs the prose after it.
+    """
+    blocks, label, body, indent = [], None, [], 0
+    for line in text.splitlines(keepends=True):
+        stripped = line.strip()
+        if label is None:
+            if stripped.startswith("```"):
+                words = stripped.lstrip("`").split()
+                label, body, indent = (words[0].lower() if words else ""), [], len(line) - len(line.lstrip(" "))
+            continue
+        line = line[min(indent, len(line) - len(line.lstrip(" "))):]
+        if stripped.startswith("```") and not stripped.strip("`"):
+            blocks.append((label, "".join(body)))
+            label = None
+        elif stripped.endswith("```"):
+            blocks.append((label, "".join(body) + line.rstrip()[:-3]))
+            label = None
+        else:
+            body.append(line)
+    return blocks
+
+
 def extract_code(text: str) -> str:
-    """The last fenced code block (```python ... ```), or the whole text when there is no fence."""
-    blocks = FENCE.findall(text)
+    """The last closed fenced block labelled Python (``python``, ``py``, ``python3``, ``py3``, any case) or
+    unlabelled, or the whole text when there is none (other languages' blocks, e.g. ```` ```text ```` sample output,
+    are never the candidate)."""
+    blocks = [body for label, body in fenced_blocks(text) if label in PYTHON_LABELS]
     return blocks[-1] if blocks else text
 
 
