@@ -25,6 +25,12 @@ def test_checklist_items_score_sum_and_instruction():
     assert score(completions=data["answer"], **rows) == [50.0] * 9  # right sum, instruction ignored
     wrong = [f"1{a}" for a in data["answer"]]  # a wrong sum that contains the right one as a suffix
     assert score(completions=wrong, **rows) == [0.0] * 9
+    # listing candidates around the sum, or its negation, is no right sum (only the instruction item is met)
+    hedged = [FOLLOWED[p.split(":")[0]].format(f"{int(a) - 1} {a} {int(a) + 1}") for p, a in
+              zip(data["prompt"], data["answer"], strict=True)]
+    assert score(completions=hedged, **rows) == [50.0] * 9
+    assert score(completions=[f"-{a}" for a in data["answer"]], **rows) == [0.0] * 9
+    assert score(completions=[f"{a}.5" for a in data["answer"]], **rows) == [0.0] * 9
 
 
 def test_ifeval_checkers_agree():

@@ -25,6 +25,12 @@ INSTRUCTIONS = {
 FORMATS = ("prompt_completion", "prompt")
 
 
+def sum_verifier(answer: str) -> str:
+    """Checklist verifier of "the sum is right": the answer is the completion's *only* number. Merely containing it
+    would pay a completion that lists several candidates ("18 19 20 ok") as much as the right one."""
+    return f"regex:^[^0-9]*(?<![0-9-]){answer}[^0-9]*$"
+
+
 def instruction_arithmetic(split: str = "train", format: str = "prompt", size: int | None = None, seed: int = 0,
                            max_operand: int = 50, follow_fraction: float = 0.5) -> Dataset:
     """The embedded arithmetic split with an instruction before each problem (cycling through ``INSTRUCTIONS``).
@@ -55,7 +61,7 @@ def instruction_arithmetic(split: str = "train", format: str = "prompt", size: i
             row["instruction_id_list"] = [checker]
             row["kwargs"] = [arguments]
             row["checklist"] = [
-                {"item": "the sum is right", "weight": 1.0, "verifier": f"regex:(^|[^0-9-]){answer}([^0-9]|$)"},
+                {"item": "the sum is right", "weight": 1.0, "verifier": sum_verifier(answer)},
                 {"item": f"it follows the instruction: {instruction}", "weight": 1.0, "verifier": verifier},
             ]
         rows.append(row)
