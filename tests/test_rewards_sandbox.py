@@ -515,14 +515,16 @@ def test_detached_processes_die_with_their_test():
 
 
 def _signal_everyone(me, then):
+    # SIGINT first: Python installs a handler for it, and a handler is what lets a signal reach a namespace's init
     return (f"import os, signal\ndef f(x):\n"
-            f"    for target in (os.getppid(), 1, {me}, -1):\n        try:\n"
-            f"            os.kill(target, signal.SIGKILL)\n        except OSError:\n            pass\n"
+            f"    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGKILL):\n"
+            f"        for target in (os.getppid(), 1, {me}, -1):\n            try:\n"
+            f"                os.kill(target, sig)\n            except OSError:\n                pass\n"
             f"    return {then}\n")
 
 
 def test_signalling_the_trainer_or_harness_changes_nothing():
-    me = os.getpid()  # the trainer's pid, which the candidate tries to kill along with its parent, init and everyone
+    me = os.getpid()  # the trainer's pid, which the candidate tries to signal along with its parent, init and everyone
     assert reward(_signal_everyone(me, "x * x + 1")) == (1.0, ["pass"] * 3)  # the harness survived: full credit
     assert reward(_signal_everyone(me, "0")) == (0.0, ["wrong"] * 3)
     assert os.getpid() == me

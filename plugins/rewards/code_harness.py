@@ -21,9 +21,10 @@ Why the candidate cannot reach the harness's channel or state:
   descriptors in the harness only;
 * the harness makes itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``), so the candidate, though the same uid,
   cannot open ``/proc/1/fd/*`` or ``/proc/1/mem`` or ptrace it (it holds no capability in the sandbox's namespace);
-* under bubblewrap the harness is the PID namespace's init (``--as-pid-1``): the kernel delivers no SIGKILL/SIGSTOP
-  from inside the namespace to it, so ``os.kill(1, 9)``, ``os.kill(os.getppid(), 9)`` or ``os.kill(-1, 9)`` cannot
-  end it; the trainer is outside the namespace and invisible;
+* under bubblewrap the harness is the PID namespace's init (``--as-pid-1``): the kernel delivers to it no signal
+  from inside the namespace that it has no handler for, and it keeps none (Python's SIGINT handler is reset), so
+  ``os.kill(1, 9)``, ``os.kill(os.getppid(), signal.SIGINT)`` or ``os.kill(-1, 9)`` cannot end it; the trainer is
+  outside the namespace and invisible;
 * tests arrive one at a time: when test *i* runs, the harness has seen only requests ``0..i`` (inputs, never
   expected values), so a child cannot read future tests from memory inherited through ``fork``;
 * after each test, the harness kills every other process in the namespace (``kill(-1, SIGKILL)`` from init), including
@@ -78,6 +79,7 @@ def child_main(code, request, setup, stdin_fd, out_fd):
         if resource is not None:
             cpu = int(setup["cpu_seconds"])
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if not setup.get("pid_namespace"):
             os.setsid()  # the unsafe backend kills this process group after the test
         sys.stdin = open(0, "r", closefd=False)
@@ -267,6 +269,11 @@ def kill_everything_else(pid, setup):
 
 def main():
     make_non_dumpable()
+    # Python's own SIGINT handler is the one disposition a process of the namespace could reach init through: it
+    # would raise KeyboardInterrupt here and end the sample (os.kill(1, SIGINT) from a test). With the default
+    # disposition the kernel drops every signal sent to init from inside its namespace. Children get Python's
+    # handler back (child_main), as `python solution.py` has it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     requests = os.fdopen(os.dup(0), "rb")
     replies = os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
