@@ -73,3 +73,22 @@ def test_n_must_match_the_group_size(trl_ext_catalog, tiny_model_dir):
                       args={"num_generations": 4}, plugins=[{"bond": {"n": 8}}, "exact_match"])
     with pytest.raises(RecipeError, match="params.n=8 must equal args.num_generations"):
         resolve_stage(stage, 0, trl_ext_catalog)
+
+
+def test_ema_anchor_under_peft_is_refused(trl_ext_catalog, tiny_model_dir):
+    """Under PEFT TRL's GRPO keeps no reference model (ref_model is None: the adapter is disabled instead), so the
+    EMA callback had nothing to move and the anchor silently stayed the initial policy."""
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    trl_ext_catalog.add_plugin(BOND)
+    trl_ext_catalog.add_plugin(ExactMatch)
+
+    def stage(anchor):
+        return StageSpec(trainer="grpo", model=tiny_model_dir, dataset={"source": "embedded:arithmetic"},
+                         args={"num_generations": 4}, plugins=[{"bond": {"anchor": anchor}}, "exact_match"],
+                         peft={"type": "lora"})
+
+    with pytest.raises(RecipeError, match="anchor 'ema' needs a full reference model"):
+        resolve_stage(stage("ema"), 0, trl_ext_catalog)
+    # the fixed reference works under PEFT (TRL scores it with the adapter disabled)
+    resolve_stage(stage("reference"), 0, trl_ext_catalog)

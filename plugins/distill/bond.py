@@ -47,7 +47,8 @@ class BOND(Plugin):
     which is J-BOND's on-policy regime rather than BOND's sampling from ``pi_ref``. ``anchor: ema`` makes TRL's
     reference model an exponential moving average of the policy (updated after every optimizer step with
     ``ema_rate``, J-BOND default about 0.02, not verified), so the KL regulariser follows a moving anchor; J-BOND's
-    additional KL to the initial reference is not added. Defaults: ``beta = 0.5``, ``N = num_generations``.
+    additional KL to the initial reference is not added. ``anchor: ema`` is refused with ``peft`` (TRL then keeps no
+    reference model to move). Defaults: ``beta = 0.5``, ``N = num_generations``.
     """
 
     name = "bond"
@@ -62,10 +63,16 @@ class BOND(Plugin):
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
+        errors = []
         if self.params.n is not None and self.params.n != stage.args.get("num_generations", 8):
-            return [f"plugin 'bond': params.n={self.params.n} must equal args.num_generations "
-                    f"({stage.args.get('num_generations', 8)}): the group's best sample is the best-of-N sample"]
-        return []
+            errors.append(f"plugin 'bond': params.n={self.params.n} must equal args.num_generations "
+                          f"({stage.args.get('num_generations', 8)}): the group's best sample is the best-of-N sample")
+        if self.params.anchor == "ema" and stage.peft is not None:
+            # Under PEFT TRL keeps no reference model (the reference is the base with the adapter disabled), so the
+            # EMA callback would find nothing to move and the anchor would silently stay the initial policy.
+            errors.append("plugin 'bond': anchor 'ema' needs a full reference model, which TRL does not keep under "
+                          "PEFT; use anchor: reference or remove `peft`")
+        return errors
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
