@@ -192,6 +192,34 @@ def test_a_draft_the_trunk_always_agrees_with_scores_full_acceptance_at_any_budg
         assert (figures.acceptance_rate, figures.acceptance_length) == (1.0, 1.0), (new_tokens, figures)
 
 
+@pytest.mark.parametrize("min_new_tokens, expected_drafted", [(1, 0), (3, 1), (4, 2)])
+def test_an_eos_drafted_and_accepted_is_not_counted_as_a_rejection(trained, tmp_path, min_new_tokens,
+                                                                    expected_drafted):
+    """Every logit tied (output heads zeroed): trunk and MTP head both pick token 0, made the eos here and kept out of
+    the first ``min_new_tokens`` tokens. When the eos comes as a draft the trunk verifies, transformers crops the step
+    at it and reports num_matches 0; counting that draft as drafted-and-rejected gave acceptance 0.0 (min_new_tokens
+    1) and 0.5 (3) for a draft that always equals the trunk's choice."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "agree_eos"
+    shutil.copytree(trained[4], folder)
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        tensors = {k: torch.zeros_like(v) if ("embed_tokens" in k or "head" in k) else v for k, v in tensors.items()}
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    config_path = folder / "generation_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config.update({"eos_token_id": 0, "min_new_tokens": min_new_tokens})
+    config_path.write_text(json.dumps(config))
+    figures = measure_acceptance(folder, ["12+3="], max_new_tokens=8)
+    assert (figures.drafted, figures.accepted) == (expected_drafted, expected_drafted), figures
+    if expected_drafted:
+        assert (figures.acceptance_rate, figures.acceptance_length) == (1.0, 1.0), figures
+
+
 def test_teacher_forced_depth_logits_equal_transformers_drafts(trained):
     """The training forward feeds the MTP layer the inputs transformers' drafting loop gives it: each logit vector
     transformers drafts during generate(use_mtp=True) equals the trainer's at the same position."""

@@ -4,10 +4,11 @@ The checkpoint folder is loaded with ``AutoModelForCausalLM.from_pretrained`` an
 ``generate(use_mtp=True)``: transformers' ``MTPCandidateGenerator`` loads the heads from the folder
 (``MtpModel.from_pretrained``), drafts ``num_mtp_layers`` tokens per step and the trunk verifies them in
 ``_assisted_decoding``. Nothing of that path is replaced: the only addition is an observer on the candidate
-generator's ``update_candidate_strategy(input_ids, scores, num_matches)``, which ``_assisted_decoding`` calls once
-per verification step with the step's scores (candidate length + 1 columns) and the number of accepted draft tokens
-(after transformers' own cropping at eos / max length). The observer is attached to this model instance only, by
-wrapping its ``_get_candidate_generator``; the class is untouched.
+generator's ``get_candidates`` (to see the step's drafts) and ``update_candidate_strategy(input_ids, scores,
+num_matches)``, which ``_assisted_decoding`` calls once per verification step with the step's scores (candidate
+length + 1 columns) and the number of accepted draft tokens (after transformers' own cropping at eos / max length;
+drafts past such a cut are not counted as drafted, see :func:`_observe_acceptance`). The observer is attached to
+this model instance only, by wrapping its ``_get_candidate_generator``; the class is untouched.
 
 Figures (over all verification steps that had drafts, all prompts pooled):
 
@@ -54,28 +55,56 @@ def summarize(records: list[tuple[int, int]], prompts: int) -> Acceptance:
 def _observe_acceptance(model, records: list[tuple[int, int]], limit: dict | None = None) -> None:
     """Make every candidate generator ``model.generate`` builds report (drafted, accepted) per step into ``records``.
 
-    ``limit["max_length"]`` (set per ``generate`` call) is the sequence length generation stops at: transformers drafts
-    ``num_mtp_layers`` tokens even when fewer fit before it and then crops the accepted ones to the budget, so only the
-    drafts that could have been accepted (``budget - 1``, one slot being the trunk's own token) count as drafted."""
+    transformers crops a step's accepted tokens at the first eos and at ``max_length`` and then reports the last kept
+    token as the trunk's own (``num_matches`` = kept - 1), so the drafts after that slot could never have been accepted:
+
+    * ``limit["max_length"]`` (set per ``generate`` call): transformers drafts ``num_mtp_layers`` tokens even when fewer
+      fit before it, so only ``budget - 1`` drafts count as drafted;
+    * a step cut at a draft the trunk accepted (an eos drafted and verified: the last kept token *is* that step's draft
+      at the same index) counts only the drafts before it as drafted. Without this a draft that always equals the
+      trunk's choice scored 0 when its eos came as a draft (drafted 1, accepted 0)."""
     build = model._get_candidate_generator
 
     def build_and_observe(*args, **kwargs):
         generator = build(*args, **kwargs)
-        update = generator.update_candidate_strategy
+        update, get_candidates = generator.update_candidate_strategy, generator.get_candidates
+        last: dict = {}
+
+        def get_and_keep(*g_args, **g_kwargs):
+            candidate_ids, candidate_logits = get_candidates(*g_args, **g_kwargs)
+            last["candidates"] = candidate_ids
+            return candidate_ids, candidate_logits
 
         def update_and_record(input_ids, scores, num_matches):
             drafted = int(scores.shape[1]) - 1
+            start = int(input_ids.shape[1]) - int(num_matches) - 1  # length before this step's tokens
             max_length = (limit or {}).get("max_length")
             if max_length is not None:
-                start = int(input_ids.shape[1]) - int(num_matches) - 1  # length before this step's tokens
                 drafted = max(min(drafted, max_length - start - 1), 0)
+            drafted = min(drafted, cut_at_accepted_draft(last.get("candidates"), input_ids, start))
             records.append((drafted, int(num_matches)))
             return update(input_ids, scores, num_matches)
 
+        generator.get_candidates = get_and_keep
         generator.update_candidate_strategy = update_and_record
         return generator
 
     model._get_candidate_generator = build_and_observe
+
+
+def cut_at_accepted_draft(candidates: torch.Tensor | None, input_ids: torch.Tensor, start: int) -> int:
+    """How many of a step's drafts could have been accepted: ``kept - 1`` when the step's last kept token is its
+    draft at that index (the step was cropped there: a verified draft is kept last only when transformers cut the
+    step at it, at eos or max length, since otherwise the trunk's own token follows the accepted drafts), else
+    unlimited. ``candidates``: the step's ``get_candidates`` ids (prefix + drafts); batch size 1."""
+    if candidates is None:
+        return 1 << 30
+    drafts = candidates[0, start:]
+    kept = input_ids[0, start:]
+    last = kept.shape[0] - 1
+    if 0 <= last < drafts.shape[0] and int(drafts[last]) == int(kept[last]):
+        return last
+    return 1 << 30
 
 
 def prompt_ids(tokenizer, prompt) -> list[int]:
