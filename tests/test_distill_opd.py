@@ -87,6 +87,30 @@ def test_teacher_identical_to_student_gives_zero_advantage_and_zero_gradient(tin
     assert all(g.abs().max() == 0 for g in grads)
 
 
+def test_tool_tokens_carry_no_advantage_and_are_not_in_the_reverse_kl_metric(tiny_trainer, teachers):
+    """Tokens a tool wrote inside a completion (tool_mask 0) were not sampled from the student: no reverse-KL sample
+    there. The metric was the mean over every completion token, tool tokens included."""
+    plugin = OPDReward(OPDRewardParams(), teacher=teachers["a"])
+    spy = Spy(plugin)
+    trainer = tiny_trainer("grpo", plugins=[plugin])
+    out = rollout(trainer)
+    batch = spy.batch
+    valid = batch.completion_mask.bool()
+    tool = torch.zeros_like(valid)
+    tool[:, 1::2] = True  # every other position written by a tool
+    tool &= valid
+    assert tool.any() and (valid & ~tool).any()
+    batch.tool_mask = (~tool).long()
+    batch.metrics.clear()
+    advantages = plugin.trl_ext_compute_advantages(rewards=spy.rewards, batch=batch)
+    gap = full_logit_logps(teachers["a"], batch, 1.0) - full_logit_logps(trainer.model, batch, 1.0)
+    own = valid & ~tool
+    assert (advantages[tool] == 0).all()
+    assert torch.allclose(advantages[own], gap[own], atol=1e-5)
+    assert batch.metrics["opd/reverse_kl"] == pytest.approx((-gap[own]).mean().item(), abs=1e-5)
+    assert out["advantages"].shape == advantages.shape
+
+
 def test_alpha_adds_the_trl_group_normalized_task_advantage(tiny_trainer, teachers):
     plugin = OPDReward(OPDRewardParams(alpha=0.5, coef=2.0), teacher=teachers["a"])
     spy = Spy(plugin)

@@ -159,7 +159,9 @@ class _OPDBase(Plugin):
             self.pool = TeacherPool(self.teacher_refs(), self.max_resident())
             self.pool.configure(batch.trainer)
         routes, weights = zip(*(self.route(row) for row in batch.inputs)) if batch.inputs else ((), ())
-        mask = batch.completion_mask
+        # the student's own tokens: tool / environment tokens inside a multi-turn completion were not sampled from
+        # pi_theta, so they carry no reverse-KL sample (the loss masks them too, and the metrics must not count them)
+        mask = batch.loss_mask
         student = sampling_policy_logps(batch).float()
         teacher = teacher_logps_by_route(self.pool, list(routes), batch, self.params.micro_batch)
         opd = dm.weighted_by_row(dm.opd_advantages(teacher, student, mask),
