@@ -156,6 +156,19 @@ def test_rollout_mismatch_is_measured_and_r3_replays_it_away(model_dir, tmp_path
     assert r3.model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0  # the router still learns
 
 
+def test_mismatch_counts_only_tokens_the_forward_attends_to(model_dir, tmp_path):
+    # Sampled and scored in float32 by the same weights: the routing agrees at every token (old-policy and training
+    # forwards alike). TRL's mask_truncated_completions zeroes the mask of completions cut at max_completion_length; the
+    # forwards hide them from attention, so their routing is not the rollout's, and they must not count (was 0.125).
+    trainer = build(model_dir, tmp_path, [RoutingReplay(RoutingReplay.Params(mode="measure"))], num_iterations=2,
+                    mask_truncated_completions=True)
+    out = rollout(trainer)
+    assert (out["completion_mask"].sum(1) == 0).sum() >= 4  # several truncated completions, masked out
+    trainer._compute_loss(trainer.model, out)
+    assert logged(trainer, "routing_replay/old_policy/mismatch")[-1] == 0.0
+    assert logged(trainer, "routing_replay/mismatch")[-1] == 0.0
+
+
 def test_r3_replays_in_the_old_policy_forward(model_dir, tmp_path):
     trainer = build(model_dir, tmp_path, [RoutingReplay(), RolloutLogprobs(RolloutLogprobs.Params(
         dtype="bfloat16"))], num_iterations=2)

@@ -130,6 +130,15 @@ def selection_differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
 
 
+def masked_routes(routes: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``routes`` with the positions the forward's ``attention_mask`` hides (padding, and completions TRL or a filter
+    masked: truncated, dropped groups) marked unrecorded: those tokens are no key of any other token and score no
+    log-prob, so their routing cannot change the loss, and the forward's own routing of a token whose context differs
+    from the rollout's must not count as a mismatch."""
+    keep = attention_mask.to(routes.device).bool()[..., None, None]
+    return torch.where(keep, routes, torch.full_like(routes, unrecorded(routes.dtype)))
+
+
 def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple else -(-n // multiple) * multiple
 

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext_plugins.moe.routing import (GenerationCapture, ModelRouting, align_generation_routes, base_model,
-                                         model_refusal)
+                                         masked_routes, model_refusal)
 
 ROUTES_KEY = "routing_replay_routes"  # RolloutBatch.loss_extras key: (B, P + C, L, k) routes of each row
 
@@ -78,7 +78,10 @@ class RoutingReplay(Plugin):
       positions never routed at rollout (padding, the last sampled token) keep the training forward's own routing.
       ``routing_replay/bytes_per_token`` logs stored bytes per real token.
     * Mismatch (per step): ``routing_replay/mismatch`` and ``.../layer_<l>`` are the fraction of token-layer
-      selections (top-k *sets*, real tokens) where the training router's own choice differs from the recorded one, in
+      selections (top-k *sets*, over the tokens the forward attends to: padding and completions whose mask TRL or a
+      filter zeroed, e.g. ``mask_truncated_completions`` or dropped groups, are neither compared nor replayed, since
+      their context differs from the rollout's and they cannot change the loss) where the training router's own
+      choice differs from the recorded one, in
       the update forwards (``routing_replay/old_policy/...`` in the old-policy forward). With ``measure`` the forward
       runs its own routing, so this is exactly the mismatch without replay; under replay, a layer's own choice is the
       one its router makes on the replayed upstream states. ``routing_replay/replayed_mismatch`` compares what the
@@ -163,19 +166,19 @@ class RoutingReplay(Plugin):
             if mode == "R2":
                 return self._pass(trainer, routing, None, "old_policy", inputs["attention_mask"], replay=False,
                                   record=True)
-            return self._pass(trainer, routing, self._checked(self._rollout_routes, inputs["input_ids"]),
-                              "old_policy", inputs["attention_mask"], replay=mode == "R3")
+            routes = masked_routes(self._checked(self._rollout_routes, inputs["input_ids"]), inputs["attention_mask"])
+            return self._pass(trainer, routing, routes, "old_policy", inputs["attention_mask"], replay=mode == "R3")
         if phase == "reference":
             if mode != "R3":
                 return None
-            return self._pass(trainer, routing, self._checked(self._rollout_routes, inputs["input_ids"]),
-                              "reference", inputs["attention_mask"], replay=True)
+            routes = masked_routes(self._checked(self._rollout_routes, inputs["input_ids"]), inputs["attention_mask"])
+            return self._pass(trainer, routing, routes, "reference", inputs["attention_mask"], replay=True)
         if phase == "train":
             routes = inputs.get(ROUTES_KEY)
             if routes is None:
                 return None
-            shape = (inputs["prompt_ids"].size(0), inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1))
-            self._checked(routes, torch.empty(shape))
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # as the loss runs it
+            routes = masked_routes(self._checked(routes, attention_mask), attention_mask)
             return self._pass(trainer, routing, routes, "train", None, replay=mode != "measure")
         return None
 
