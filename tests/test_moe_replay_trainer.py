@@ -257,6 +257,24 @@ def test_composes_with_dapo_and_a_correction(model_dir, tmp_path, correction):
     assert f"{correction.name}/weight/mean" in trainer._metrics["train"]  # the correction ran on the replayed forward
 
 
+def test_a_corrections_extra_forward_of_the_micro_batch_replays_the_same_routes(model_dir, tmp_path):
+    # tis with support 'sampled' runs a second (no-grad) forward of the micro-batch inside the loss: it used to find
+    # the routes consumed and raise "rows 16:32 of a forward over 16 x 12 tokens". It must replay the same routes, and
+    # the gradient-checkpointing recomputation after it too.
+    trainer = build(model_dir, tmp_path, [TIS(TIS.Params(support="sampled")), RolloutLogprobs(RolloutLogprobs.Params(
+        dtype="bfloat16")), RoutingReplay()], num_iterations=1, gradient_checkpointing=True)
+    out = rollout(trainer)
+    trainer.model.gradient_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)
+    out[ROUTES_KEY] = forced(out[ROUTES_KEY])
+    spy = ExpertsSpy(trainer.model)
+    loss = trainer._compute_loss(trainer.model, out)
+    loss.backward()
+    spy.remove()
+    assert torch.isfinite(loss)
+    assert_experts_got(spy, out[ROUTES_KEY], expected_calls=6)  # 2 layers: loss forward, tis forward, recomputation
+    assert logged(trainer, "routing_replay/replayed_mismatch")[-1] == 0.0
+
+
 # -- bad input -------------------------------------------------------------------------------------------------------
 
 

@@ -224,7 +224,7 @@ class ModelRouting:
 
     A *plan* (routes ``(B, T, L, k)`` for the rows of one pass) is consumed in row order by the model's own forward
     calls (TRL scores a generation batch in chunks of ``batch_size`` rows): a pre-hook on the top module binds the next
-    rows to the routers at each call. The binding stays until the next top-level forward, so a gradient-checkpointing
+    rows to the routers at each call; a further forward over all ``B`` rows after they are consumed binds them again. The binding stays until the next top-level forward, so a gradient-checkpointing
     recomputation during backward (which re-runs the layers but not the top module) replays the same routes.
     """
 
@@ -306,6 +306,11 @@ class ModelRouting:
         if ids is None:
             ids = kwargs["inputs_embeds"]
         rows, positions = ids.shape[:2]
+        if self.cursor == self.plan.shape[0] == rows:
+            # Another forward over all the pass's rows once they are consumed: a loss plugin's extra forward of the
+            # same micro-batch (e.g. a correction's no-grad pi_old on the sampler's support) replays the same routes,
+            # and leaves them bound for the recomputation of the loss forward.
+            self.cursor = 0
         routes = self.plan[self.cursor:self.cursor + rows]
         if routes.shape[:2] != (rows, positions):
             raise ValueError(f"routing_replay: routes of shape {tuple(self.plan.shape)} do not match the batch: rows "
