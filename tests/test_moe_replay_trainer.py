@@ -275,6 +275,37 @@ def test_a_corrections_extra_forward_of_the_micro_batch_replays_the_same_routes(
     assert logged(trainer, "routing_replay/replayed_mismatch")[-1] == 0.0
 
 
+def test_dynamic_sampling_rounds_with_other_prompt_widths_keep_routes_on_their_tokens(model_dir, tmp_path):
+    # The first round has short prompts only, the refill rounds draw long ones too: the merged batch is padded to the
+    # longest prompt. The routes (prompt columns left-padded, completion columns right-padded) must move with their
+    # tokens; they were padded on the right as a whole, so short-prompt rows replayed other tokens' experts (the
+    # float32 training forward then disagreed with the float32 rollout on 56% of token-layers instead of none).
+    from datasets import Dataset
+
+    from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling
+
+    trainer = build(model_dir, tmp_path, [DynamicSampling(DynamicSampling.Params(max_rounds=4)),
+                                          RoutingReplay(RoutingReplay.Params(mode="measure"))], num_iterations=1)
+    trainer.train_dataset = Dataset.from_list([{"prompt": "1+1=" if i % 2 else "12345+67890+111="} for i in range(16)])
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions([{"prompt": "1+1="}] * ROWS)
+    assert logged(trainer, "dynamic_sampling/rounds")[-1] >= 2
+    assert len(set(out["prompt_mask"].sum(1).tolist())) == 2  # rows of both prompt widths in the merged batch
+    trainer._compute_loss(trainer.model, out)
+    assert logged(trainer, "routing_replay/mismatch")[-1] == 0.0
+    # Independently: the routes at every attended position are what a float32 forward of the merged batch routes.
+    routing = next(p for p in trainer.plugin_host.pm.get_plugins() if isinstance(p, RoutingReplay)).policy
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    routing.begin(None, replay=False, record=True)
+    with torch.no_grad():
+        trainer.model(input_ids=torch.cat([out["prompt_ids"], out["completion_ids"]], 1), attention_mask=mask)
+    own, _ = routing.end(mask)
+    routes = out[ROUTES_KEY]
+    compare = (routes != 255).all(-1) & mask.bool()[..., None]
+    assert compare.sum() > 0.8 * mask.sum() * 2
+    assert torch.equal(own.sort(-1).values[compare], routes.sort(-1).values[compare])
+
+
 # -- bad input -------------------------------------------------------------------------------------------------------
 
 

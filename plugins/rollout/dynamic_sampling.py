@@ -164,7 +164,8 @@ def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], nu
                  local_size: int) -> dict:
     """Assemble the chosen ``(round, group)`` groups of several rounds' rollout dicts into this rank's slice.
 
-    Every tensor is gathered from all ranks (padded to a common width, left for prompt tensors, right otherwise),
+    Every tensor is gathered from all ranks (padded to a common width, left for prompt tensors, right otherwise; a
+    tensor over the ``P + C`` positions of the model input is split there and each side padded as its kind, with 0),
     rounds are padded to a common width and stacked, the chosen groups' rows are taken in order, and this rank keeps
     rows ``[rank * local_size, (rank + 1) * local_size)``. Collective calls happen in sorted key order on every rank.
     """
@@ -182,21 +183,39 @@ def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], nu
         if not all(isinstance(o[key], torch.Tensor) and o[key].dim() >= 1 for o in outputs):
             raise RuntimeError(f"dynamic_sampling cannot merge rollout field {key!r} (multimodal rollouts are not "
                                f"supported)")
-        left, value = key in LEFT_PADDED, pad_id if key in TOKEN_IDS else 0
-        parts = [_gather_rows(acc, o[key], left, value) for o in outputs]
-        if mine is None:  # rounds may differ in size: each round's rows start after the previous rounds' rows
-            starts = [0]
-            for part in parts[:-1]:
-                starts.append(starts[-1] + part.size(0))
-            rows = torch.tensor([starts[r] + g * num_generations + j for r, g in chosen for j in range(num_generations)])
-            mine = rows[acc.process_index * local_size:(acc.process_index + 1) * local_size]
-        if parts[0].dim() >= 2:
-            width = max(p.size(1) for p in parts)
-            parts = [_pad_width(p, width, left, value) for p in parts]
-        merged[key] = torch.cat(parts)[mine.to(parts[0].device)]
+        value = pad_id if key in TOKEN_IDS else 0
+        if key not in LEFT_PADDED + TOKEN_IDS and all(_model_input_layout(o, o[key]) for o in outputs):
+            # (B, P + C, ...): prompt columns left-padded, completion columns right-padded (e.g. routing_replay's
+            # routes); each side is merged as its own tensor, or rounds with other prompt widths would be shifted
+            widths = [o["prompt_ids"].size(1) for o in outputs]
+            sides = [([o[key][:, :w] for o, w in zip(outputs, widths)], True),
+                     ([o[key][:, w:] for o, w in zip(outputs, widths)], False)]
+        else:
+            sides = [([o[key] for o in outputs], key in LEFT_PADDED)]
+        merged_sides = []
+        for tensors, left in sides:
+            parts = [_gather_rows(acc, t, left, value) for t in tensors]
+            if mine is None:  # rounds may differ in size: each round's rows start after the previous rounds' rows
+                starts = [0]
+                for part in parts[:-1]:
+                    starts.append(starts[-1] + part.size(0))
+                rows = torch.tensor([starts[r] + g * num_generations + j for r, g in chosen
+                                     for j in range(num_generations)])
+                mine = rows[acc.process_index * local_size:(acc.process_index + 1) * local_size]
+            if parts[0].dim() >= 2:
+                width = max(p.size(1) for p in parts)
+                parts = [_pad_width(p, width, left, value) for p in parts]
+            merged_sides.append(torch.cat(parts)[mine.to(parts[0].device)])
+        merged[key] = torch.cat(merged_sides, dim=1) if len(merged_sides) > 1 else merged_sides[0]
     loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)
     merged["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()
     return merged
+
+
+def _model_input_layout(output: dict, tensor: torch.Tensor) -> bool:
+    """``tensor`` spans the prompt and completion positions of the model input (``P + C`` columns, ``P > 0``)."""
+    prompt = output["prompt_ids"].size(1)
+    return prompt > 0 and tensor.dim() >= 2 and tensor.size(1) == prompt + output["completion_ids"].size(1)
 
 
 def _gather_rows(acc, tensor: torch.Tensor, left: bool, value) -> torch.Tensor:
