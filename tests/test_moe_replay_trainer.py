@@ -344,6 +344,17 @@ def test_vllm_refuses_r3_but_not_r2():
         assert "routing_replay" not in str(error), error
 
 
+def test_partial_rollout_refused_with_r3_but_not_r2():
+    with pytest.raises(RecipeError, match="routing_replay' mode R3 with 'partial_rollout'"):
+        resolve_stage(stage("embedded:tiny-qwen3-moe", "routing_replay", "partial_rollout", "exact_match"), 0,
+                      Catalog.discover())
+    try:
+        resolve_stage(stage("embedded:tiny-qwen3-moe", {"routing_replay": {"mode": "R2"}}, "partial_rollout",
+                            "exact_match", num_iterations=2), 0, Catalog.discover())
+    except RecipeError as error:
+        assert "routing_replay" not in str(error), error
+
+
 def test_supported_moe_resolves():
     rs = resolve_stage(stage("embedded:tiny-qwen3-moe", "routing_replay", "exact_match"), 0, Catalog.discover())
     assert rs.host.names() == ["routing_replay", "exact_match"]

@@ -214,6 +214,14 @@ def test_generation_routes_refuse_what_is_not_one_batched_generation():
         align_generation_routes(calls, 2, [3, 1], [2, 2], None, torch.uint8)
 
 
+def test_generation_routes_refuse_completions_longer_than_the_decode_steps():
+    # A continued trajectory (earlier tokens from an earlier generation): 3 completion tokens need 2 decode steps.
+    calls = [torch.zeros(6, 1, dtype=torch.uint8)] * 2 + [torch.zeros(2, 1, dtype=torch.uint8)] * 2  # 1 decode step
+    with pytest.raises(RuntimeError, match="1 decode steps .* completions of up to 3 tokens"):
+        align_generation_routes(calls, 2, [3, 1], [3, 2], None, torch.uint8)
+    assert align_generation_routes(calls, 2, [3, 1], [2, 2], None, torch.uint8).shape == (2, 5, 2, 1)
+
+
 def test_route_dtype_grows_past_254_experts():
     assert routing.route_dtype(4) == torch.uint8 and routing.route_dtype(256) == torch.int16
     assert routing.unrecorded(torch.uint8) == 255

@@ -165,6 +165,12 @@ def align_generation_routes(calls: list[torch.Tensor], num_layers: int, prompt_l
                            f"{batch} prompts (multi-turn, tool calls and continuous batching are not supported)")
     prefill = prefill.reshape(batch, -1, num_layers, prefill.shape[-1])
     decoded = torch.stack(decode, dim=1) if decode else prefill[:, :0]
+    if max(completion_lengths, default=0) > decoded.shape[1] + 1 or max(prompt_lengths, default=0) > prefill.shape[1]:
+        # a completion token this generation never fed back, or a prompt longer than the prefill: the tokens were
+        # not all produced by this one generation (e.g. a continued trajectory), so the routes cannot be placed
+        raise RuntimeError(f"routing_replay: generation fed {decoded.shape[1]} decode steps after a prefill of "
+                           f"{prefill.shape[1]} positions, too few for prompts of up to {max(prompt_lengths)} and "
+                           f"completions of up to {max(completion_lengths)} tokens")
     width_p, width_c = _round_up(max(prompt_lengths), pad_to_multiple_of), _round_up(max(completion_lengths),
                                                                                       pad_to_multiple_of)
     routes = torch.full((batch, width_p + width_c, num_layers, prefill.shape[-1]), unrecorded(dtype), dtype=dtype,
@@ -172,7 +178,7 @@ def align_generation_routes(calls: list[torch.Tensor], num_layers: int, prompt_l
     for row, (n_p, n_c) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
         if n_p:
             routes[row, width_p - n_p:width_p] = prefill[row, prefill.shape[1] - n_p:]
-        fed = min(n_c, decoded.shape[1])
+        fed = min(n_c, decoded.shape[1])  # the last sampled token is never fed back
         routes[row, width_p:width_p + fed] = decoded[row, :fed]
     return routes
 

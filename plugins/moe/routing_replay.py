@@ -89,7 +89,8 @@ class RoutingReplay(Plugin):
       every rank are summed before the fractions are taken.
     * Rollout source: transformers generation (plain or through ``rollout_logprobs``, whose reduced-precision copy is
       captured too). vLLM in TRL 1.16 does not hand back routed experts, so R3 and ``measure`` are refused with
-      ``use_vllm`` (R2 works); multi-turn tool calls and continuous batching are refused.
+      ``use_vllm`` (R2 works); multi-turn tool calls, continuous batching and ``partial_rollout`` (resumed
+      trajectories) are refused.
     * Gradient checkpointing: the routes bound at a forward stay bound until the next top-level forward, so the
       recomputation in backward replays them. PEFT/LoRA (also on the experts) leaves the router modules in place.
     """
@@ -122,6 +123,10 @@ class RoutingReplay(Plugin):
             errors.append(f"args.use_vllm: plugin {self.name!r} mode {self.params.mode}: vLLM as TRL 1.16 drives it "
                           "does not return the routed experts, so the rollout routing cannot be recorded; generate "
                           "with transformers or use mode R2")
+        if self.params.mode != "R2" and any(getattr(p, "name", None) == "partial_rollout" for p in plugins):
+            errors.append(f"plugins: plugin {self.name!r} mode {self.params.mode} with 'partial_rollout': a resumed "
+                          "trajectory's earlier tokens were routed at an earlier step and never kept, and its "
+                          "continuation is prefilled after them; use mode R2")
         if stage.args.get("use_transformers_continuous_batching"):
             errors.append(f"args.use_transformers_continuous_batching: plugin {self.name!r} records routing from "
                           "batched transformers generation only")
