@@ -91,8 +91,13 @@ class RoutingReplay(Plugin):
       captured too). vLLM in TRL 1.16 does not hand back routed experts, so R3 and ``measure`` are refused with
       ``use_vllm`` (R2 works); multi-turn tool calls, continuous batching and ``partial_rollout`` (resumed
       trajectories) are refused.
+    * Router auxiliary loss (only when the model's ``output_router_logits`` makes TRL add it): transformers'
+      ``load_balancing_loss_func`` on this forward's router logits, left as it is: its dispatch fractions count the
+      training router's own top-k, not the replayed experts (Megatron's router replay counts the replayed routing
+      map); the router-probability factor, which carries its gradient, is the same either way.
     * Gradient checkpointing: the routes bound at a forward stay bound until the next top-level forward, so the
-      recomputation in backward replays them. PEFT/LoRA (also on the experts) leaves the router modules in place.
+      recomputation in backward replays them (a second forward over the whole micro-batch inside the loss, e.g. a
+      correction's ``support: sampled`` pass, binds the same routes again). PEFT/LoRA (also on the experts) leaves the router modules in place.
     """
 
     name = "routing_replay"
