@@ -230,8 +230,9 @@ class ModelRouting:
 
     A *plan* (routes ``(B, T, L, k)`` for the rows of one pass) is consumed in row order by the model's own forward
     calls (TRL scores a generation batch in chunks of ``batch_size`` rows): a pre-hook on the top module binds the next
-    rows to the routers at each call; a further forward over all ``B`` rows after they are consumed binds them again. The binding stays until the next top-level forward, so a gradient-checkpointing
-    recomputation during backward (which re-runs the layers but not the top module) replays the same routes.
+    rows to the routers at each call; a further forward over all ``B`` rows after they are consumed binds them again.
+    The binding stays until the next top-level forward, so a gradient-checkpointing recomputation during backward
+    (which re-runs the layers but not the top module) replays the same routes.
     """
 
     def __init__(self, model: nn.Module):

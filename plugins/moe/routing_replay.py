@@ -97,7 +97,8 @@ class RoutingReplay(Plugin):
       map); the router-probability factor, which carries its gradient, is the same either way.
     * Gradient checkpointing: the routes bound at a forward stay bound until the next top-level forward, so the
       recomputation in backward replays them (a second forward over the whole micro-batch inside the loss, e.g. a
-      correction's ``support: sampled`` pass, binds the same routes again). PEFT/LoRA (also on the experts) leaves the router modules in place.
+      correction's ``support: sampled`` pass, binds the same routes again). PEFT/LoRA (also on the experts) leaves
+      the router modules in place.
     """
 
     name = "routing_replay"
