@@ -84,13 +84,41 @@ def test_dapo_clip_higher_numbers():
 
 
 def test_presets_pin_trl_fields():
+    token = {"importance_sampling_level": "token"}
     assert DAPO().trl_ext_configure_args(trainer="grpo", args={}) == {
-        "epsilon_high": 0.28, "loss_type": "dapo", "mask_truncated_completions": True, "beta": 0.0}
+        **token, "epsilon_high": 0.28, "loss_type": "dapo", "mask_truncated_completions": True, "beta": 0.0}
     assert DAPO(DAPO.Params(token_level_loss=False, overlong_filtering=False, no_kl=False)).trl_ext_configure_args(
-        trainer="grpo", args={}) == {"epsilon_high": 0.28}
-    assert DrGRPO().trl_ext_configure_args(trainer="grpo", args={}) == {"loss_type": "dr_grpo", "scale_rewards": "none"}
+        trainer="grpo", args={}) == {**token, "epsilon_high": 0.28}
+    assert DrGRPO().trl_ext_configure_args(trainer="grpo", args={}) == {
+        **token, "loss_type": "dr_grpo", "scale_rewards": "none"}
     assert GSPO().trl_ext_configure_args(trainer="grpo", args={})["importance_sampling_level"] == "sequence"
-    assert ClipHigher().trl_ext_configure_args(trainer="grpo", args={}) == {"epsilon_high": 0.28}
+    assert ClipHigher().trl_ext_configure_args(trainer="grpo", args={}) == {**token, "epsilon_high": 0.28}
+
+
+@pytest.mark.parametrize("plugin", ["grpo", "dr_grpo", "dapo", "gmpo", "sapo", "cispo", "ce_gppo", "clip_higher",
+                                    "reinforce", "rollout_ratio"])
+def test_token_ratio_objectives_refuse_trl_sequence_level(plugin):
+    """These objectives form their own per-token ratio: TRL's importance_sampling_level 'sequence' (GSPO) would be
+    ignored by the loss (grpo gave -0.95677 where TRL's sequence-level grpo gives -0.96722) while still switching the
+    KL bias-correction ratio, so a recipe asking for it is refused, naming field and plugin; gspo keeps 'sequence'."""
+    from trl_ext.catalog import Catalog
+    from trl_ext.errors import RecipeError
+    from trl_ext.recipe import StageSpec
+    from trl_ext.stage import resolve_stage
+
+    def stage(name, level):
+        extra = ["rollout_logprobs"] if name == "rollout_ratio" else []
+        return StageSpec.model_validate({
+            "name": "s", "trainer": "grpo", "model": "embedded:tiny-qwen2",
+            "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}},
+            "plugins": [name, "exact_match", *extra], "args": {"importance_sampling_level": level}})
+
+    catalog = Catalog.discover()
+    with pytest.raises(RecipeError, match=f"args.importance_sampling_level: the recipe sets 'sequence' but plugin "
+                                          f"'{plugin}' requires 'token'"):
+        resolve_stage(stage(plugin, "sequence"), 0, catalog)
+    assert resolve_stage(stage(plugin, "token"), 0, catalog).args["importance_sampling_level"] == "token"
+    assert resolve_stage(stage("gspo", "sequence"), 0, catalog).args["importance_sampling_level"] == "sequence"
 
 
 # -- aggregation (convention 2) ---------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class RolloutRatio(Plugin):
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
-        return {"vllm_importance_sampling_correction": False}
+        # Its ratio is per token; TRL's sequence level would be ignored by this loss (as every objective, it pins it).
+        return {"vllm_importance_sampling_correction": False, "importance_sampling_level": "token"}
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):

@@ -14,6 +14,10 @@ class ObjectivePlugin(Plugin):
     ``aggregation``). When none is selected the trainer aggregates as TRL does for ``args.loss_type``, so each
     objective pins, through ``trl_args``, the ``loss_type`` whose aggregation its paper uses (and any other TRL field
     its paper fixes). A recipe that sets one of these fields to another value is refused, naming field and plugin.
+
+    Every objective also pins ``args.importance_sampling_level`` (default ``token``): an objective forms its own ratio,
+    so TRL's ``sequence`` level (GSPO) would otherwise be silently ignored by the loss while still changing the ratio
+    of the KL bias correction. ``gspo`` sets ``sequence`` itself.
     """
 
     family = "loss"
@@ -27,4 +31,4 @@ class ObjectivePlugin(Plugin):
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
-        return {**self.trl_args, **self.extra_trl_args()} or None
+        return {"importance_sampling_level": "token", **self.trl_args, **self.extra_trl_args()}
