@@ -297,6 +297,31 @@ def test_reinforce_refuses_reused_batches():
     assert REINFORCE().trl_ext_validate_stage(stage=SimpleNamespace(args={}), plugins=[]) is None
 
 
+@pytest.mark.parametrize("args, refused", [
+    ({"steps_per_generation": 4}, True),  # one generation batch over 4 optimizer steps: 3 of them off-policy
+    ({"steps_per_generation": 4, "gradient_accumulation_steps": 2}, True),
+    ({"steps_per_generation": 2, "gradient_accumulation_steps": 2}, False),  # one generation per optimizer step
+    ({"steps_per_generation": 1, "gradient_accumulation_steps": 4}, False),
+])
+def test_reinforce_refuses_a_generation_batch_spanning_optimizer_steps(args, refused):
+    """TRL trains micro-batches of one generation batch after earlier optimizer steps when steps_per_generation >
+    gradient_accumulation_steps (it then recomputes pi_old); REINFORCE has no ratio, so those are off-policy."""
+    from types import SimpleNamespace
+    errors = REINFORCE().trl_ext_validate_stage(stage=SimpleNamespace(args=args), plugins=[])
+    assert bool(errors) == refused
+    if refused:
+        assert "steps_per_generation" in errors[0] and "reinforce" in errors[0]
+    # generation_batch_size sets steps_per_generation only once the process count is known: checked at build time
+    resolved = SimpleNamespace(num_iterations=1, steps_per_generation=args["steps_per_generation"],
+                               gradient_accumulation_steps=args.get("gradient_accumulation_steps", 1))
+    trainer = SimpleNamespace(args=resolved)
+    if refused:
+        with pytest.raises(ValueError, match="steps_per_generation"):
+            REINFORCE().trl_ext_trainer_created(trainer=trainer)
+    else:
+        REINFORCE().trl_ext_trainer_created(trainer=trainer)
+
+
 # -- numerics: extreme log-probs ------------------------------------------------------------------------------------
 
 

@@ -23,8 +23,10 @@ class REINFORCE(ObjectivePlugin):
     ``L = -(R - b) * sum_t log pi(y_t)``: per token ``-A * log pi``, no ratio and no clipping. Baseline b: the group
     mean of the G samples of the prompt (TRL's advantage with ``scale_rewards: none``). Aggregation: the per-sequence
     *sum* over tokens, i.e. ``args.loss_type: dr_grpo`` (sum / (B * max_completion_length), the REINFORCE sum up to the
-    constant 1/L). The estimator is on-policy only: ``args.num_iterations > 1`` is refused at validation (use a ratio
-    objective for reused batches).
+    constant 1/L). The estimator is on-policy only: a batch reused (``args.num_iterations > 1``) or split over several
+    optimizer steps (``args.steps_per_generation`` > ``gradient_accumulation_steps``, also when implied by
+    ``generation_batch_size``; TRL then recomputes pi_old, which this objective ignores) is refused, at validation
+    where the recipe says so and otherwise when the trainer is built (use a ratio objective for off-policy batches).
     """
 
     name = "reinforce"
@@ -36,12 +38,34 @@ class REINFORCE(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
-        if stage.args.get("num_iterations", 1) > 1:
-            return [f"args.num_iterations: plugin 'reinforce' is on-policy (no ratio); it cannot reuse a batch "
-                    f"{stage.args['num_iterations']} times"]
-        return None
+        args = stage.args
+        accumulation = args.get("gradient_accumulation_steps", 1)
+        problem = off_policy_problem(args.get("num_iterations", 1), args.get("steps_per_generation") or accumulation,
+                                     accumulation)
+        return [problem] if problem else None
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        # generation_batch_size sets steps_per_generation through the process count, known only now
+        args = trainer.args
+        problem = off_policy_problem(args.num_iterations, args.steps_per_generation, args.gradient_accumulation_steps)
+        if problem:
+            raise ValueError(problem)
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
         logps, _, advantages = math.masked_inputs(inputs)
         return math.reinforce_objective(logps, advantages)
+
+
+def off_policy_problem(num_iterations: int, steps_per_generation: int, accumulation: int) -> str | None:
+    """Why a batch schedule is off-policy for a ratio-free objective, or None. Micro-batches of one generation batch
+    beyond the first accumulation window are trained after an optimizer step, i.e. sampled by an older policy."""
+    if num_iterations > 1:
+        return (f"args.num_iterations: plugin 'reinforce' is on-policy (no ratio); it cannot reuse a batch "
+                f"{num_iterations} times")
+    if steps_per_generation > accumulation:
+        return (f"args.steps_per_generation: plugin 'reinforce' is on-policy (no ratio); a generation batch of "
+                f"{steps_per_generation} micro-batches spans more than one optimizer step (gradient_accumulation_steps "
+                f"{accumulation}); lower generation_batch_size/steps_per_generation or use a ratio objective")
+    return None
