@@ -377,6 +377,23 @@ def test_sampled_support_is_refused_off_policy():
     assert errors and "plugins.mis.support" in errors[0]
 
 
+def test_sampled_support_is_refused_when_generation_batch_size_makes_it_off_policy():
+    """generation_batch_size 64 with 8 rows per device on one process is steps_per_generation 8 > accumulation 1: the
+    recipe names no steps_per_generation, so validation passes and the trainer's resolved args must refuse it (else
+    pi_old is recomputed from weights already updated 7 times)."""
+    from trl_ext_plugins.corrections.tis import TIS, TISParams
+
+    recipe_args = {"generation_batch_size": 64, "per_device_train_batch_size": 8}
+    plugin = TIS(TISParams(support="sampled"))
+    assert plugin.trl_ext_validate_stage(stage=SimpleNamespace(args=recipe_args), plugins=[]) is None
+    resolved = SimpleNamespace(num_iterations=1, steps_per_generation=8, gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match="plugins.tis.support.*steps_per_generation 8 > gradient_accumulation_steps 1"):
+        plugin.trl_ext_trainer_created(trainer=SimpleNamespace(args=resolved))
+    on_policy = SimpleNamespace(num_iterations=1, steps_per_generation=2, gradient_accumulation_steps=2)
+    plugin.trl_ext_trainer_created(trainer=SimpleNamespace(args=on_policy))
+    TIS().trl_ext_trainer_created(trainer=SimpleNamespace(args=resolved))  # support full: pi_old is TRL's own
+
+
 # -- KL only in the reward: reference log-probs without a loss KL term -----------------------------------------------------
 
 

@@ -310,7 +310,7 @@ def test_reinforce_refuses_a_generation_batch_spanning_optimizer_steps(args, ref
     errors = REINFORCE().trl_ext_validate_stage(stage=SimpleNamespace(args=args), plugins=[])
     assert bool(errors) == refused
     if refused:
-        assert "steps_per_generation" in errors[0] and "reinforce" in errors[0]
+        assert "steps_per_generation" in errors[0] and "'reinforce' is on-policy" in errors[0]
     # generation_batch_size sets steps_per_generation only once the process count is known: checked at build time
     resolved = SimpleNamespace(num_iterations=1, steps_per_generation=args["steps_per_generation"],
                                gradient_accumulation_steps=args.get("gradient_accumulation_steps", 1))

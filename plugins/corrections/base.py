@@ -10,6 +10,7 @@ from pydantic import Field
 from trl_ext import Need, Plugin, PluginParams, hookimpl, ops
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.corrections import math
+from trl_ext_plugins.losses.base import off_policy_reason
 
 
 class CorrectionParams(PluginParams):
@@ -74,11 +75,24 @@ class RolloutCorrection(Plugin):
             return None
         args = stage.args
         accumulation = args.get("gradient_accumulation_steps", 1)
-        if args.get("num_iterations", 1) > 1 or (args.get("steps_per_generation") or accumulation) > accumulation:
-            return [f"plugins.{self.name}.support: 'sampled' recomputes pi_old from the current weights, so it needs "
-                    f"on-policy batches (args.num_iterations 1, args.steps_per_generation <= "
-                    f"gradient_accumulation_steps)"]
-        return None
+        reason = off_policy_reason(args.get("num_iterations", 1), args.get("steps_per_generation") or accumulation,
+                                   accumulation)
+        return [self._sampled_support_refusal(reason)] if reason else None
+
+    @hookimpl
+    def trl_ext_trainer_created(self, trainer):
+        # generation_batch_size sets steps_per_generation through the process count, known only now
+        if getattr(self.params, "support", "full") != "sampled":
+            return
+        args = trainer.args
+        reason = off_policy_reason(args.num_iterations, args.steps_per_generation, args.gradient_accumulation_steps)
+        if reason:
+            raise ValueError(self._sampled_support_refusal(reason))
+
+    def _sampled_support_refusal(self, reason: str) -> str:
+        return (f"plugins.{self.name}.support: 'sampled' recomputes pi_old from the current weights, so it needs "
+                f"on-policy batches (args.num_iterations 1, args.steps_per_generation <= gradient_accumulation_steps), "
+                f"but {reason}")
 
     @hookimpl
     def trl_ext_token_weights(self, inputs):

@@ -32,3 +32,17 @@ class ObjectivePlugin(Plugin):
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
         return {"importance_sampling_level": "token", **self.trl_args, **self.extra_trl_args()}
+
+
+def off_policy_reason(num_iterations: int, steps_per_generation: int, accumulation: int) -> str | None:
+    """Why TRL's batch schedule trains on batches not sampled by the current weights, or None when it is on-policy.
+
+    A batch is reused (``num_iterations > 1``), or one generation batch spans several optimizer steps
+    (``steps_per_generation > gradient_accumulation_steps``, also when ``generation_batch_size`` implies it): the
+    micro-batches after the first optimizer step were sampled by an older policy (TRL then recomputes pi_old)."""
+    if num_iterations > 1:
+        return f"args.num_iterations {num_iterations} reuses each batch"
+    if steps_per_generation > accumulation:
+        return (f"args.steps_per_generation {steps_per_generation} > gradient_accumulation_steps {accumulation} (set "
+                f"directly or through generation_batch_size) trains one generation batch over several optimizer steps")
+    return None

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
 from trl_ext_plugins.losses import math
-from trl_ext_plugins.losses.base import ObjectivePlugin
+from trl_ext_plugins.losses.base import ObjectivePlugin, off_policy_reason
 
 
 class REINFORCEParams(PluginParams):
@@ -40,32 +40,23 @@ class REINFORCE(ObjectivePlugin):
     def trl_ext_validate_stage(self, stage, plugins):
         args = stage.args
         accumulation = args.get("gradient_accumulation_steps", 1)
-        problem = off_policy_problem(args.get("num_iterations", 1), args.get("steps_per_generation") or accumulation,
-                                     accumulation)
-        return [problem] if problem else None
+        reason = off_policy_reason(args.get("num_iterations", 1), args.get("steps_per_generation") or accumulation,
+                                   accumulation)
+        return [self._refusal(reason)] if reason else None
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
         # generation_batch_size sets steps_per_generation through the process count, known only now
         args = trainer.args
-        problem = off_policy_problem(args.num_iterations, args.steps_per_generation, args.gradient_accumulation_steps)
-        if problem:
-            raise ValueError(problem)
+        reason = off_policy_reason(args.num_iterations, args.steps_per_generation, args.gradient_accumulation_steps)
+        if reason:
+            raise ValueError(self._refusal(reason))
+
+    def _refusal(self, reason: str) -> str:
+        return f"plugin 'reinforce' is on-policy (no ratio), but {reason}; use a ratio objective for off-policy batches"
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
         logps, _, advantages = math.masked_inputs(inputs)
         return math.reinforce_objective(logps, advantages)
 
-
-def off_policy_problem(num_iterations: int, steps_per_generation: int, accumulation: int) -> str | None:
-    """Why a batch schedule is off-policy for a ratio-free objective, or None. Micro-batches of one generation batch
-    beyond the first accumulation window are trained after an optimizer step, i.e. sampled by an older policy."""
-    if num_iterations > 1:
-        return (f"args.num_iterations: plugin 'reinforce' is on-policy (no ratio); it cannot reuse a batch "
-                f"{num_iterations} times")
-    if steps_per_generation > accumulation:
-        return (f"args.steps_per_generation: plugin 'reinforce' is on-policy (no ratio); a generation batch of "
-                f"{steps_per_generation} micro-batches spans more than one optimizer step (gradient_accumulation_steps "
-                f"{accumulation}); lower generation_batch_size/steps_per_generation or use a ratio objective")
-    return None
