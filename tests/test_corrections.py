@@ -208,3 +208,14 @@ def test_masked_log_ratio_where_before_subtraction():
     assert out.tolist() == [[0.5, 0.0, 0.0]]  # padding and "not recorded" (NaN) give 0
     (grad,) = torch.autograd.grad(out.sum(), num)
     assert grad.tolist() == [[1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("plugin, params", [(TIS, {"lower": 3.0, "upper": 2.0}), (MIS, {"lower": 3.0, "upper": 2.0}),
+                                            (IcePop, {"lower": 3.0, "beta": 2.0})], ids=lambda x: getattr(x, "name", ""))
+def test_inverted_band_is_refused(plugin, params):
+    """lower > upper gave MIS/IcePop weight 0 on every token (no gradient at all) and TIS weight 2 on every token
+    (torch.clamp with min > max returns max), silently; rollout_correction already refused it."""
+    with pytest.raises(ValueError, match=r"lower \(3.0\) must not exceed the upper bound \(2.0\)"):
+        plugin.Params(**params)
+    equal = {**params, "lower": 2.0}  # a one-point band is legal
+    assert weights_of(plugin(plugin.Params(**equal)), [2.0, 1.0]).tolist()[0][0] == pytest.approx(2.0)

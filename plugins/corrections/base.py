@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trl_ext import Need, Plugin, PluginParams, hookimpl, ops
 from trl_ext.batches import TokenWeights
@@ -20,6 +20,19 @@ class CorrectionParams(PluginParams):
         "top_p, min_p), like the rollout log-probs, so truncated sampling does not bias rho (costs one no-grad "
         "forward with full logits per micro-batch; on-policy batches only: num_iterations 1 and steps_per_generation "
         "<= gradient_accumulation_steps).")
+
+    def band(self) -> tuple[float | None, float | None]:
+        """(lower, upper) ratio bounds of this correction; (None, None) where it has none to check."""
+        return None, None
+
+    @model_validator(mode="after")
+    def _band_not_inverted(self):
+        # An inverted band is never what was meant and fails silently: a band weight is 0 for every token (no
+        # gradient at all) and torch.clamp(min > max) truncates every token to the upper bound.
+        lower, upper = self.band()
+        if lower is not None and upper is not None and lower > upper:
+            raise ValueError(f"lower ({lower}) must not exceed the upper bound ({upper})")
+        return self
 
 
 def sampler_support_logps(inputs) -> torch.Tensor:

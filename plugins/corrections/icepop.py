@@ -13,6 +13,9 @@ class IcePopParams(CorrectionParams):
                                                "IcePop / verl / OpenRLHF use [0.5, 5]).")
     lower: float | None = Field(None, gt=0, description="Explicit lower bound alpha (None: 1/beta).")
 
+    def band(self):
+        return self.lower, self.beta
+
 
 class IcePop(RolloutCorrection):
     """IcePop (Ling Team 2025, Ring-1T arXiv 2510.18855; GLM-5 arXiv 2602.15763 section 3.2, beta = 2).

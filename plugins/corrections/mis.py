@@ -20,6 +20,9 @@ class MISParams(CorrectionParams):
     drop_from_denominator: bool = Field(False, description="False: masked tokens get weight 0 and stay in the "
                                         "aggregation denominator (TRL, verl); true: they are removed from it.")
 
+    def band(self):
+        return self.lower, self.upper
+
 
 class MIS(RolloutCorrection):
     """MIS, masked importance sampling (Liu, Li et al. 2025, "When Speed Kills Stability", richardli.xyz/rl-collapse).

@@ -16,6 +16,9 @@ class TISParams(CorrectionParams):
     level: Literal["token", "sequence"] = Field("token", description="token: rho per token (TRL token_truncate); "
                                                 "sequence: rho = prod_t rho_t per sequence (TRL sequence_truncate).")
 
+    def band(self):
+        return self.lower, self.upper
+
 
 class TIS(RolloutCorrection):
     """TIS, truncated importance sampling (Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You
