@@ -309,6 +309,49 @@ def test_m2po_scope_by_hand(scope, advantage, keep):
     assert li.metrics["m2po/second_moment"] == pytest.approx(second_moment)
 
 
+def test_m2po_ppo_active_would_spare_a_gspo_outlier_with_a_gradient():
+    """Why ppo_active needs the per-token PPO clip: under GSPO (eps 3e-4/4e-4 on the *sequence* ratio) log r = [1, -1]
+    has s = 1, so both tokens have a gradient, but the per-token test calls token 0 (r = e, A > 0) clipped: it left
+    the statistic and was never masked, while its mirror token 1 was masked."""
+    from trl_ext_plugins.corrections.m2po import M2PO, M2POParams
+    from trl_ext_plugins.losses.gspo import GSPO, GSPOParams
+
+    li = m2po_inputs([1.0, -1.0], [0.0, 0.0], 1.0)
+    li.epsilon_low, li.epsilon_high = 3e-4, 4e-4
+    loss = GSPO(GSPOParams(form="token")).trl_ext_policy_loss(inputs=li)
+    (grad,) = torch.autograd.grad(loss.sum(), li.per_token_logps)
+    assert (grad != 0).all()  # s = exp(mean log r) = 1 is inside the clip: both tokens move the policy
+    assert M2PO(M2POParams(scope="ppo_active")).trl_ext_token_weights(inputs=li).mask.tolist() == [[True, False]]
+    assert M2PO().trl_ext_token_weights(inputs=li).mask.tolist() == [[False, False]]  # scope all: both masked
+
+
+def _m2po_stage(objective, **args):
+    plugins = ([objective] if objective else []) + [{"m2po": {"scope": "ppo_active"}}, "exact_match"]
+    return StageSpec.model_validate({"name": "s", "trainer": "grpo", "model": "embedded:tiny-qwen2",
+                                     "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}},
+                                     "plugins": plugins, "args": args})
+
+
+@pytest.mark.parametrize("objective, args, refused", [
+    ("gspo", {}, "'gspo'"), ("gmpo", {}, "'gmpo'"), ("cispo", {}, "'cispo'"), ("sapo", {}, "'sapo'"),
+    ("ce_gppo", {}, "'ce_gppo'"), ("reinforce", {}, "'reinforce'"),
+    (None, {"loss_type": "cispo"}, "loss_type 'cispo'"),
+    (None, {"importance_sampling_level": "sequence"}, "loss_type 'dapo' at importance_sampling_level 'sequence'"),
+    ("grpo", {}, None), ("dr_grpo", {}, None), ("dapo", {}, None), ("clip_higher", {}, None), (None, {}, None),
+    (None, {"loss_type": "bnpo"}, None),
+])
+def test_m2po_ppo_active_needs_the_token_ppo_clip(objective, args, refused):
+    from trl_ext.catalog import Catalog
+
+    stage = _m2po_stage(objective, **args)
+    if refused is None:
+        resolve_stage(stage, 0, Catalog.discover())
+        return
+    with pytest.raises(RecipeError, match=f"plugins.m2po.scope: 'ppo_active' assumes the per-token PPO clip .* "
+                                          f"the objective is {refused}"):
+        resolve_stage(stage, 0, Catalog.discover())
+
+
 def test_ppo_clip_active_by_hand():
     from trl_ext_plugins.corrections import math as cm
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext import Plugin, PluginParams, Slot, hookimpl
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.corrections import math
 
@@ -18,6 +18,10 @@ class M2POParams(PluginParams):
         "paper, AReaL). ppo_active: only the tokens the PPO clip leaves active (ratio pi_theta/pi_old inside the "
         "clip on the side of the advantage's sign, args.epsilon/epsilon_high); clipped tokens, whose gradient the clip "
         "already removes, are never masked and do not count in M2.")
+
+
+# TRL loss types whose default objective is the per-token PPO clip (at importance_sampling_level token)
+PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 class M2PO(Plugin):
@@ -33,13 +37,31 @@ class M2PO(Plugin):
     ``scope`` (default ``all``, the paper's): ``ppo_active`` restricts both the statistic and the masking to the tokens
     the PPO clip leaves active (not ``A > 0, r > 1 + eps_high`` nor ``A < 0, r < 1 - eps_low``, ``r = pi_theta /
     pi_old``; issue 10's variant for clipped objectives): the M2 budget is then spent only on tokens that still move
-    the policy.
+    the policy. It is refused unless the objective is that clip (``grpo``, ``dr_grpo``, ``dapo``, ``clip_higher``, or
+    no objective plugin with a PPO-clip ``loss_type`` at token level): with GSPO's sequence clip, GMPO's log-space
+    bounds, CE-GPPO's kept gradients or an unclipped objective (CISPO, SAPO, REINFORCE, rollout_ratio) the per-token
+    test would leave exactly the outlier tokens that still have a gradient out of the statistic and unmasked.
     """
 
     name = "m2po"
     family = "correction"
     trainers = frozenset({"grpo"})
     Params = M2POParams
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        if self.params.scope != "ppo_active":
+            return None
+        objectives = [p for p in plugins if Slot.OBJECTIVE in p.slots]
+        if objectives:
+            bad = [repr(p.name) for p in objectives if not getattr(p, "token_ppo_clip", False)]
+        else:
+            loss_type = stage.args.get("loss_type", "dapo")
+            token = stage.args.get("importance_sampling_level", "token") == "token"
+            bad = [] if loss_type in PPO_CLIP_LOSS_TYPES and token else [f"loss_type {loss_type!r}" + (
+                "" if token else " at importance_sampling_level 'sequence'")]
+        return [f"plugins.{self.name}.scope: 'ppo_active' assumes the per-token PPO clip (grpo, dr_grpo, dapo, "
+                f"clip_higher), but the objective is {name}; use scope 'all'" for name in bad] or None
 
     @hookimpl
     def trl_ext_token_weights(self, inputs):

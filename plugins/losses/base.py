@@ -24,6 +24,9 @@ class ObjectivePlugin(Plugin):
     trainers = frozenset({"grpo"})
     slots = frozenset({Slot.OBJECTIVE})
     trl_args: ClassVar[dict[str, Any]] = {}
+    # True for the per-token PPO clip min(r A, clip(r, 1-eps_low, 1+eps_high) A) with args.epsilon/epsilon_high as
+    # deviations, where a clipped token has zero gradient (what m2po's scope ppo_active assumes).
+    token_ppo_clip: ClassVar[bool] = False
 
     def extra_trl_args(self) -> dict[str, Any]:
         """TRL fields that depend on this instance's parameters (override where needed)."""

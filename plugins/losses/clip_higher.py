@@ -24,6 +24,7 @@ class ClipHigher(ObjectivePlugin):
     """
 
     name = "clip_higher"
+    token_ppo_clip = True
     Params = ClipHigherParams
 
     def extra_trl_args(self):

@@ -37,6 +37,7 @@ class DAPO(ObjectivePlugin):
     """
 
     name = "dapo"
+    token_ppo_clip = True
     Params = DAPOParams
 
     def extra_trl_args(self):

@@ -18,6 +18,7 @@ class DrGRPO(ObjectivePlugin):
     """
 
     name = "dr_grpo"
+    token_ppo_clip = True
     Params = NoParams
     trl_args = {"loss_type": "dr_grpo", "scale_rewards": "none"}
 

@@ -50,6 +50,7 @@ class GRPO(ObjectivePlugin):
     """
 
     name = "grpo"
+    token_ppo_clip = True
     Params = GRPOParams
     trl_args = {"loss_type": "grpo"}
 
