@@ -30,6 +30,25 @@ def test_dapo_numbers():
     assert got.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
 
 
+def test_overlong_buffer_settings_that_give_inf_or_nan_are_refused():
+    """L_cache 0 uncapped is a slope of 1/0 (-inf beyond L_max), a buffer longer than L_max starts the penalty below
+    0 tokens, and L_max 0 divides the cosine by 0; the capped L_cache 0 is TRL's hard -1 and stays allowed."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="slope 1/0"):
+        LengthShapingParams(mode="dapo", max_length=20, cache_length=0, overlong_cap=False)
+    with pytest.raises(ValidationError, match="must not exceed max_length"):
+        LengthShapingParams(mode="dapo", max_length=20, cache_length=30)
+    with pytest.raises(ValidationError, match="greater than 0"):
+        LengthShapingParams(mode="cosine", max_length=0, cache_length=0)
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        LengthShapingParams(mode="dapo", cache_length=-1)
+    p = LengthShapingParams(mode="dapo", max_length=20, cache_length=0)
+    got = formulas.dapo_overlong_penalty(T(0, 20, 21), p.max_length, p.cache_length, p.overlong_cap)
+    assert got.tolist() == [0.0, 0.0, -1.0]  # TRL get_soft_overlong_punishment(20, 0): 0, 0, -1
+    assert LengthShapingParams(mode="cosine", max_length=1000).cache_length == 4096  # unused outside dapo
+
+
 def test_cosine_numbers():
     lmax = 1000
     got = formulas.cosine_length_reward(T(0, 500, 500, 1000, 1001), torch.tensor([1, 1, 0, 1, 1]), lmax)

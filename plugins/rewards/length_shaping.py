@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
@@ -24,8 +24,10 @@ class LengthShapingParams(PluginParams):
     correct_threshold: float = Field(0.5, description="a sample is correct when its correctness reward exceeds this; "
                                      "NaN (not applicable) counts as wrong")
     warmup_steps: int = Field(0, description="kimi: global steps before the length reward is enabled (Kimi warm-up)")
-    max_length: int = Field(20480, description="cosine and dapo: L_max in tokens (DAPO 20480)")
-    cache_length: int = Field(4096, description="dapo: overlong buffer L_cache in tokens (DAPO 4096)")
+    max_length: int = Field(20480, gt=0, description="cosine and dapo: L_max in tokens (DAPO 20480)")
+    cache_length: int = Field(4096, ge=0, description="dapo: overlong buffer L_cache in tokens (DAPO 4096), at "
+                              "most max_length; 0 (a hard -1 beyond L_max, as TRL's soft_punish_cache 0) needs "
+                              "overlong_cap")
     cosine_correct: tuple[float, float] = Field((2.0, 1.0), description="cosine: (r_0, r_L) for correct samples")
     cosine_wrong: tuple[float, float] = Field((-10.0, 0.0), description="cosine: (r_0, r_L) for wrong samples")
     cosine_exceed: float = Field(-10.0, description="cosine: reward beyond L_max (cosine_beyond_max: exceed)")
@@ -51,6 +53,19 @@ class LengthShapingParams(PluginParams):
                                "(budget b0) or target (L1 n_gold) length in tokens")
     l1_alpha: float = Field(3e-4, description="l1_exact / l1_max: alpha (L1 default 3e-4)")
     l1_delta: float = Field(0.5, description="l1_max: delta (L1 default 0.5)")
+
+    @model_validator(mode="after")
+    def _overlong_buffer(self) -> "LengthShapingParams":
+        # The buffer starts at L_max - L_cache >= 0 (verl asserts max_resp_len >= overlong_buffer_len); without the
+        # cap, the linear penalty's slope is 1 / L_cache, so L_cache 0 would give -inf rewards beyond L_max.
+        if self.mode != "dapo":  # only dapo reads the buffer (cosine's L_max may be shorter than its default)
+            return self
+        if self.cache_length > self.max_length:
+            raise ValueError(f"cache_length ({self.cache_length}) must not exceed max_length ({self.max_length})")
+        if self.cache_length == 0 and not self.overlong_cap:
+            raise ValueError("cache_length 0 with overlong_cap false continues a penalty of slope 1/0 beyond "
+                             "max_length (-inf rewards); set overlong_cap true (hard -1) or cache_length > 0")
+        return self
 
 
 @dataclass
