@@ -61,6 +61,27 @@ def test_rows_without_steps_are_left_out_of_prm_training(tiny_model_dir):
     assert len(out) == 1 and out[0]["step_labels"] == [1.0]
 
 
+@pytest.mark.parametrize("labels", [[1, 0, -1], [1.0, 2.0, 0.0], [1.0, float("nan"), 0.0], [1.0, None, 0.0]])
+def test_step_labels_outside_unit_interval_are_refused(tiny_model_dir, labels):
+    """BCE with a target of -1 (a PRM800K negative rating left unmapped) is softplus(x) + x, unbounded below: the
+    trainer would push that logit to -inf rather than learn; such rows must be refused, not trained on."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from trl_ext.trainers.prm import ExtPRMTrainer, PRMConfig
+
+    target = torch.tensor(-1.0)
+    losses = [torch.nn.functional.binary_cross_entropy_with_logits(torch.tensor(x), target) for x in (0.0, -10.0)]
+    assert losses[1] < losses[0] < 0.7  # unbounded below: -9.99995 at x = -10
+    rows = Dataset.from_dict({"prompt": ["1+2+3=\n"], "completions": [["1+2=3", "3+3=6", "6=6"]], "labels": [labels]})
+    args = PRMConfig(output_dir="unused", report_to="none", max_length=None)
+    with pytest.raises(ValueError, match=r"step labels must be numbers in \[0, 1\]"):
+        ExtPRMTrainer._tokenize(rows, AutoTokenizer.from_pretrained(tiny_model_dir), args)
+    ok = Dataset.from_dict({"prompt": ["1+2+3=\n"], "completions": [["1+2=3", "3+3=6"]], "labels": [[1.0, 0.375]]})
+    out = ExtPRMTrainer._tokenize(ok, AutoTokenizer.from_pretrained(tiny_model_dir), args)
+    assert out[0]["step_labels"] == [1.0, 0.375]
+
+
 def test_math_shepherd_mc_labels_with_a_scripted_completer():
     """N=8: 3 correct rollouts after step 1 -> soft 0.375, hard 1; 0/8 after step 2 -> both 0 (ALGORITHMS.md 11)."""
     outcomes = {"5=\n2+3=5\n": ["6"] * 3 + ["4"] * 5, "5=\n2+3=5\n5+1=7\n": ["7"] * 8}

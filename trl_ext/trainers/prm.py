@@ -56,6 +56,20 @@ def step_bce_loss(logits: torch.Tensor, step_labels: torch.Tensor) -> torch.Tens
     return torch.nn.functional.binary_cross_entropy_with_logits(logits[mask], step_labels[mask].to(logits.dtype))
 
 
+def check_step_labels(labels) -> list[float]:
+    """The labels as floats, refusing anything outside [0, 1] (or missing / NaN).
+
+    BCE is a loss only for targets in [0, 1]: with a target of -1 (PRM800K's rating of a negative step) it is
+    ``softplus(x) + x``, unbounded below, so training would drive that logit to -inf instead of failing. Three-class
+    ratings must be mapped first (Lightman's "neutral as positive": 1, 0 -> 1 and -1 -> 0).
+    """
+    bad = [x for x in labels if x is None or not 0.0 <= float(x) <= 1.0]  # NaN fails the comparison too
+    if bad:
+        raise ValueError(f"step labels must be numbers in [0, 1] (1/0 or soft Math-Shepherd labels); got {bad} in "
+                         f"{list(labels)}. Map 3-class ratings (PRM800K -1/0/1) to 0/1 first (neutral as positive)")
+    return [float(x) for x in labels]
+
+
 class _Collator:
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -104,7 +118,7 @@ class ExtPRMTrainer(HostMixin, Trainer):
             if len(row["completions"]) != len(row["labels"]):
                 raise ValueError(f"{len(row['completions'])} steps but {len(row['labels'])} labels in {row}")
             ids, positions = tokenize_steps(tokenizer, row["prompt"], row["completions"], args.step_separator)
-            return {"input_ids": ids, "step_positions": positions, "step_labels": [float(x) for x in row["labels"]]}
+            return {"input_ids": ids, "step_positions": positions, "step_labels": check_step_labels(row["labels"])}
 
         dataset = dataset.map(encode, remove_columns=dataset.column_names)
         dataset = dataset.filter(lambda row: len(row["step_positions"]) > 0)  # a row without steps trains nothing
