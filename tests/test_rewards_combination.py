@@ -61,3 +61,25 @@ def test_weighted_reward_awaits_async_and_refuses_wrong_lengths():
     long = RewardFunction("long", lambda completions, **kw: [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="'long' returned 3 rewards for 2 completions"):
         weighted_reward([long])(completions=["a", "b"])
+
+
+def test_reward_function_names_must_differ(tmp_path):
+    """TRL keys reward columns and metrics by name (and length_shaping finds its correctness column by name): two
+    ``python_reward`` files that both define ``reward`` are refused, naming the clash."""
+    from trl_ext.host import PluginHost
+    from trl_ext.rewards import collect_reward_functions
+    from trl_ext_plugins.rewards.python_reward import PythonReward, PythonRewardParams
+    from trl_ext_plugins.rewards.verify_math import MathVerify
+
+    for name, value in (("a", 1.0), ("b", 0.0)):
+        (tmp_path / f"{name}.py").write_text(f"def reward(completions, **kw):\n    return [{value}] * len(completions)\n")
+    clash = PythonReward(PythonRewardParams(functions=[f"{tmp_path / 'a.py'}:reward", f"{tmp_path / 'b.py'}:reward"]))
+    with pytest.raises(ValueError, match="two reward functions are named 'reward'"):
+        collect_reward_functions(PluginHost([clash]), None)
+    (tmp_path / "c.py").write_text("def math_verify(completions, **kw):\n    return [1.0] * len(completions)\n")
+    shadow = PythonReward(PythonRewardParams(functions=[f"{tmp_path / 'c.py'}:math_verify"]))
+    with pytest.raises(ValueError, match="'math_verify' .*'math_verify' and 'python_reward'|'python_reward' and 'math"):
+        collect_reward_functions(PluginHost([MathVerify(), shadow]), None)
+    fine = PythonReward(PythonRewardParams(functions=[f"{tmp_path / 'a.py'}:reward"]))
+    assert [f.name for f in collect_reward_functions(PluginHost([MathVerify(), fine]), None)] == ["math_verify",
+                                                                                                   "reward"]

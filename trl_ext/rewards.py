@@ -52,10 +52,23 @@ class RewardFunction:
 
 
 def collect_reward_functions(host, stage) -> list[RewardFunction]:
-    """All reward functions the stage's plugins contribute, in recipe order."""
+    """All reward functions the stage's plugins contribute, in recipe order; their names must differ.
+
+    TRL keys each reward's column, its ``rewards/<name>/mean|std`` metrics and the completions table by name, and
+    plugins (length_shaping's ``correctness_reward``) find a column by name: two functions of one name (two
+    ``python_reward`` files that both define ``reward``) would be logged as one and the lookup would take the first.
+    """
     out: list[RewardFunction] = []
+    owners: dict[str, str] = {}
     for contribution in reversed(host.pm.hook.trl_ext_reward_functions.get_hookimpls()):
-        out.extend(contribution.function(stage=stage) or [])
+        plugin = getattr(contribution.plugin, "name", contribution.plugin_name)
+        for function in contribution.function(stage=stage) or []:
+            if function.name in owners:
+                raise ValueError(f"two reward functions are named {function.name!r} (from plugins "
+                                 f"{owners[function.name]!r} and {plugin!r}); reward columns and metrics are keyed "
+                                 "by name: rename one function")
+            owners[function.name] = plugin
+            out.append(function)
     return out
 
 
