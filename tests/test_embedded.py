@@ -288,6 +288,11 @@ def test_sft_trainer_adds_no_second_eos(tokenizer, model_dir, tmp_path):
         ("\n46 \n", "46", 1.0),
         ("46 12", "46", 1.0),  # only the leading integer counts
         ("460", "46", 0.0),
+        ("46.5", "46", 0.0),  # a decimal is not its integer part
+        ("46.5", "4", 0.0),
+        ("-3.25", "-3", 0.0),
+        ("46.", "46", 1.0),  # a full stop ends the number
+        ("46....", "46", 1.0),
         ("4", "46", 0.0),
         ("", "46", 0.0),
         ("<eos>", "46", 0.0),

@@ -123,7 +123,9 @@ def solve(problem: str) -> str | None:
     return str(_OPERATIONS[op](int(a), int(b)))
 
 
-_LEADING_INTEGER = re.compile(r"-?\d+")
+# The leading number with its decimal fraction, if any: "46.5" is not the integer 46 (a wrong answer must not match
+# its integer part); a dot without digits after it ("46." or the embedded task's "46...." tails) ends the number.
+_LEADING_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _SPECIAL_TEXT = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
 
 
@@ -139,7 +141,8 @@ def exact_match_reward(completions: list, answer: list[str], answer_after: str |
     """1.0 where the integer at the start of the completion equals the gold answer, else 0.0.
 
     Special-token text (e.g. "<eos>") and surrounding whitespace are ignored; anything after the
-    leading integer is ignored too, so "46<eos>", " 46" and "46 =" all match "46" but "460" does not.
+    leading integer is ignored too, so "46<eos>", " 46", "46." and "46 =" all match "46" but "460" and
+    "46.5" (a decimal, not the integer 46) do not.
     With `answer_after` (e.g. "=" for a chain of steps "12+5=17,17+7=24", GSM8K's "####"), the answer is
     the integer at the start of what follows the last occurrence of that text (the whole completion when
     it has none). Takes TRL's reward-function arguments: `answer` is the dataset column, other columns
@@ -150,7 +153,7 @@ def exact_match_reward(completions: list, answer: list[str], answer_after: str |
         text = _SPECIAL_TEXT.sub("", _completion_text(completion))
         if answer_after:
             text = text.rsplit(answer_after, 1)[-1]
-        match = _LEADING_INTEGER.match(text.strip())
+        match = _LEADING_NUMBER.match(text.strip())
         rewards.append(1.0 if match is not None and match.group() == str(gold).strip() else 0.0)
     return rewards
 
