@@ -26,8 +26,8 @@ class ORM(Plugin):
     single step: each ``prompt, completion, label`` row becomes ``completions=[completion]``, ``labels=[label]`` and
     the score is read at the separator appended after the whole solution. Convention: Cobbe trains a value head on
     every token and uses the final one; here only the final position is trained (the ORM form of Uesato et al.).
-    As a reward: sigmoid of the logit at that position, in [0, 1]; the whole completion is one step (a separator
-    inside it is replaced by a space so it is not split).
+    As a reward: sigmoid of the logit at that position, in [0, 1]; the whole completion, unchanged (a separator inside
+    it included), is one step, exactly the text training read.
     """
 
     name = "orm"
