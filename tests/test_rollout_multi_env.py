@@ -70,11 +70,26 @@ class Flaky(Plugin):
         return [RewardFunction(self.name, flaky)]
 
 
+class AsyncVerifier(Plugin):
+    """Test verifier written as ``async def`` (TRL awaits those; so must the routing)."""
+
+    name = "async_verifier"
+    family = "reward"
+
+    @hookimpl
+    def trl_ext_reward_functions(self, stage):
+        async def async_verifier(completions, answer, **kwargs):
+            return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+        return [RewardFunction(self.name, async_verifier)]
+
+
 @pytest.fixture
 def catalog(trl_ext_catalog, register_plugin, tmp_path):
     register_plugin(MultiEnv)
     register_plugin(ExactMatch)
     register_plugin(Flaky)
+    register_plugin(AsyncVerifier)
     register_plugin(PassRateFilter)
     token = _CURRENT_RUN.set(RunContext(recipe=None, output_dir=tmp_path / "run", catalog=trl_ext_catalog))
     try:
@@ -134,6 +149,19 @@ def test_rewards_are_routed_and_a_crashing_verifier_costs_only_its_rows(catalog)
     assert batch.metrics["multi_env/mul/share"] == pytest.approx(0.6)
     assert batch.metrics["multi_env/mul/reward"] == pytest.approx(0.5)  # (1 + 0) / 2 scored rows
     assert batch.metrics["multi_env/add/reward"] == 1.0 and batch.metrics["multi_env/mul/verifier_errors"] == 1.0
+
+
+def test_an_async_verifier_is_awaited_for_its_rows(catalog):
+    """An async verifier's coroutine was zipped as if it were the rewards: the batch call failed, the row-by-row
+    retry failed the same way, and every row of the environment was silently left unscored (None)."""
+    envs = [{"name": "add", "dataset": arithmetic("+", 30), "rewards": ["exact_match"]},
+            {"name": "mul", "dataset": arithmetic("*", 7), "rewards": ["async_verifier"]}]
+    plugin = MultiEnv(MultiEnv.Params(environments=envs))
+    functions = {f.name: f.fn for f in plugin.trl_ext_reward_functions(stage=_stage(envs))}
+    rows = {"prompts": ["1+2=", "3*3=", "2*2="], "completions": ["3", "9", "5"], "answer": ["3", "9", "4"],
+            "env": ["add", "mul", "mul"]}
+    assert functions["mul/async_verifier"](**rows) == [None, 1.0, 0.0]
+    assert plugin.verifier_errors["mul"] == 0
 
 
 @pytest.mark.parametrize("envs, message", [

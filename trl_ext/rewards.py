@@ -72,8 +72,9 @@ def collect_reward_functions(host, stage) -> list[RewardFunction]:
     return out
 
 
-def _await(result: Any) -> Any:
-    """The value of an async reward function's coroutine (a fresh event loop; plain values pass through)."""
+def await_rewards(result: Any) -> Any:
+    """The value of an async reward function's coroutine (a fresh event loop; plain values pass through), for
+    callers that invoke reward functions themselves rather than through TRL."""
     return asyncio.run(result) if inspect.isawaitable(result) else result
 
 
@@ -85,7 +86,7 @@ def weighted_reward(functions: list[RewardFunction]) -> Callable[..., list[float
     def score(completions, **kwargs):
         totals = [0.0] * len(completions)
         for function in functions:
-            values = list(_await(function.fn(completions=completions, **kwargs)))
+            values = list(await_rewards(function.fn(completions=completions, **kwargs)))
             if len(values) != len(completions):
                 raise ValueError(f"reward function {function.name!r} returned {len(values)} rewards for "
                                  f"{len(completions)} completions (one per completion expected)")

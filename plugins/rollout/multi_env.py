@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.errors import validation_message
 from trl_ext.recipe import DatasetSpec, PluginSelection
-from trl_ext.rewards import RewardFunction
+from trl_ext.rewards import RewardFunction, await_rewards
 from trl_ext_plugins.rollout.control_math import interleave_environments, mixture_counts
 
 logger = logging.getLogger("trl_ext.multi_env")
@@ -366,7 +366,7 @@ class MultiEnv(Plugin):
                 return {**sub, "completions": [completions[i] for i in indices]}
 
             try:
-                values = fn(**subset(mine))
+                values = await_rewards(fn(**subset(mine)))  # an async verifier's coroutine, awaited
                 pairs = list(zip(mine, values, strict=True))
             except Exception as exc:
                 logger.warning("multi_env: verifier of environment %r raised %r; scoring its rows one by one",
@@ -374,7 +374,7 @@ class MultiEnv(Plugin):
                 pairs = []
                 for i in mine:
                     try:
-                        pairs.append((i, fn(**subset([i]))[0]))
+                        pairs.append((i, await_rewards(fn(**subset([i])))[0]))
                     except Exception:
                         self.verifier_errors[env_name] += 1
             for i, value in pairs:
