@@ -404,3 +404,36 @@ def test_rank_token_share_makes_the_mean_over_ranks_the_global_token_mean():
     shared = [loss * rank_token_share(mask, trainer(2)) for loss, mask in zip(losses, masks)]
     assert torch.stack(shared).mean().item() == pytest.approx((2.0 * 3 + 6.0 * 1) / 4)  # not (2 + 6) / 2
     assert rank_token_share(masks[0], trainer(1)) == 1.0
+
+
+def test_ppo_killed_after_its_last_step_saves_the_trained_critic(tmp_path):
+    """A stage killed after its last checkpoint (here: while training ends) is finished from that checkpoint without
+    ``trainer.train``; the ``critic.pt`` saved after the stage must be the trained critic of that checkpoint, not the
+    critic the plugin was built with (on_train_begin, where the critic is restored, never runs on that path)."""
+    from transformers import TrainerCallback
+
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    catalog = fresh_catalog()
+    for cls in (PPO, ExactMatch):
+        catalog.add_plugin(cls)
+
+    class KilledAfterTraining(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):  # checkpoint-4 is complete by now
+            raise Interrupt()
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_recipe(_ppo_recipe(), straight, catalog, echo=lambda _m: None)
+    with pytest.raises(Interrupt):
+        run_recipe(_ppo_recipe(), resumed, catalog, extra_callbacks=[KilledAfterTraining()], echo=lambda _m: None)
+    messages = []
+    run_recipe(_ppo_recipe(), resumed, catalog, echo=messages.append)
+    assert any("is the last step; finishing the stage" in m for m in messages)
+
+    a = torch.load(straight / "ppo" / "critic.pt", weights_only=True)
+    b = torch.load(resumed / "ppo" / "critic.pt", weights_only=True)
+    last = torch.load(resumed / "ppo" / "checkpoints" / "checkpoint-4" / "critic.pt", weights_only=True)
+    for key in a["model"]:
+        torch.testing.assert_close(b["model"][key], last["model"][key], rtol=0, atol=0)
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=1e-6)
+    assert all(state["step"] == 4 for state in b["optimizer"]["state"].values())

@@ -103,6 +103,21 @@ class CheckpointCompletionCallback(TrainerCallback):
         PartialState().wait_for_everyone()
 
 
+def restore_plugin_checkpoint_state(trainer) -> None:
+    """Bring plugin state back from the checkpoint the trainer was loaded from, without training.
+
+    Callbacks that keep plugin state in checkpoints restore it at ``on_train_begin``; a stage killed after its last
+    step is finished from that step's checkpoint without ``trainer.train`` (see ``trl_ext.runner``), so that event
+    never comes and a plugin writing its state after the stage (``ppo``'s ``critic.pt``) would write the state it was
+    built with. Every callback with a ``restore_from_checkpoint(args, state)`` method is asked here instead.
+    """
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in handler.callbacks if handler is not None else []:
+        restore = getattr(callback, "restore_from_checkpoint", None)
+        if callable(restore):
+            restore(trainer.args, trainer.state)
+
+
 @contextmanager
 def plugin_checkpoints_before_completion(trainer) -> Iterator[None]:
     """Callbacks added inside the block (plugins' ``trl_ext_trainer_created``) run before
@@ -150,6 +165,9 @@ class PluginStateCheckpoint(TrainerCallback):
             write_json_atomic(self._path(args, state.global_step), self.get_state())
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.restore_from_checkpoint(args, state)
+
+    def restore_from_checkpoint(self, args, state) -> None:
         if state.global_step == 0:
             return
         path = self._path(args, state.global_step)

@@ -684,15 +684,17 @@ def _checkpoint_is_final(checkpoint: str) -> bool:
 
 
 def _finish_from_final_checkpoint(trainer, checkpoint: str, metrics_path: Path, is_main: bool):
-    """What ``trainer.train`` leaves behind, from a checkpoint of the last step: its weights and state, and metrics.jsonl
-    repaired (torn line, rows after the step) with the end-of-training row kept when it was written."""
+    """What ``trainer.train`` leaves behind, from a checkpoint of the last step: its weights and state, the plugins'
+    checkpointed state, and metrics.jsonl repaired (torn line, rows after the step) with the end-of-training row kept
+    when it was written."""
     from transformers import TrainerState
     from transformers.trainer_utils import TrainOutput
 
-    from trl_ext.callbacks import read_jsonl, rewrite_jsonl
+    from trl_ext.callbacks import read_jsonl, restore_plugin_checkpoint_state, rewrite_jsonl
 
     trainer._load_from_checkpoint(checkpoint)
     trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    restore_plugin_checkpoint_state(trainer)  # what on_train_begin would restore (e.g. ppo's critic)
     step = trainer.state.global_step
     rows = [row for row in read_jsonl(metrics_path) if row.get("step", 0) <= step]
     if is_main:

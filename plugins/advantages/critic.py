@@ -94,6 +94,9 @@ class CriticCheckpointCallback(TrainerCallback):
             torch.save(self.owner.critic_state(), folder / CRITIC_FILE)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.restore_from_checkpoint(args, state)
+
+    def restore_from_checkpoint(self, args, state) -> None:  # also called for a stage finished from its last step
         if state.global_step == 0:
             return
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", CRITIC_FILE)
