@@ -1,6 +1,7 @@
 """Data-building preference plugins: delta_pairs (strong vs weak pairs, cached) and iterative_dpo (rounds of
 sample / score / best-vs-worst / DPO)."""
 
+import json
 import logging
 from pathlib import Path
 
@@ -279,3 +280,56 @@ def test_qrpo_generates_scores_and_caches_reference_rewards(tiny_model_dir, tmp_
     monkeypatch.setattr(gen, "sample_completions", lambda *a, **k: pytest.fail("cache not used"))
     again = QRPO(params).trl_ext_prepare_dataset(dataset=data, split="train", stage=_stage(tiny_model_dir))
     assert again.to_list() == out.to_list()
+
+
+def test_iterative_dpo_killed_in_a_later_round_reruns_every_round(tmp_path):
+    """Each round's train() reaches max_steps; the stage must not be finished from round 0's last step when a later
+    round was interrupted (it was: the runner's last-step checkpoint of round 0 made the rerun skip the other rounds
+    and mark the stage complete with round 0's weights)."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from trl_ext.catalog import Catalog
+    from trl_ext.recipe import parse_recipe
+    from trl_ext.runner import run_recipe
+
+    (tmp_path / "varied.py").write_text("def reward(completions, **kwargs):\n"
+                                        "    return [float(sum(map(ord, str(c))) % 7) for c in completions]\n")
+
+    def recipe():
+        return parse_recipe({
+            "seed": 0, "name": "dpo", "trainer": "dpo", "model": "embedded:tiny-qwen2-small",
+            "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 16},
+            "plugins": [{"iterative_dpo": {"rounds": 2, "num_samples": 2, "max_new_tokens": 4, "temperature": 1.0,
+                                           "reward": "python_reward",
+                                           "reward_params": {"functions": [f"{tmp_path / 'varied.py'}:reward"]}}},
+                        "dpo"],
+            "args": {"max_steps": 2, "per_device_train_batch_size": 4, "learning_rate": 1e-3, "beta": 0.1,
+                     "logging_steps": 1, "max_length": 32},
+        })
+
+    class Interrupt(Exception):
+        pass
+
+    class KilledInRoundOne(TrainerCallback):
+        rounds_begun = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.rounds_begun += 1
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.rounds_begun == 2:
+                raise Interrupt()
+
+    catalog = Catalog.discover()
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_recipe(recipe(), straight, catalog, echo=lambda _m: None)
+    with pytest.raises(Interrupt):
+        run_recipe(recipe(), resumed, catalog, extra_callbacks=[KilledInRoundOne()], echo=lambda _m: None)
+    messages = []
+    run_recipe(recipe(), resumed, catalog, echo=messages.append)
+    assert not any("finishing the stage" in m or "resuming from" in m for m in messages), messages
+    a, b = load_file(str(straight / "dpo" / "model.safetensors")), load_file(str(resumed / "dpo" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (resumed / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 1, 2]  # both rounds, each once

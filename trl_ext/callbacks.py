@@ -85,8 +85,12 @@ class CheckpointCompletionCallback(TrainerCallback):
     resumes at its last step and trains nothing again.
     """
 
+    # Off for a plugin whose ``train`` runs several trainings to ``max_steps`` (iterative_dpo's rounds): there the
+    # first round's last step is not the stage's, and resuming from it would finish the stage after one round.
+    save_last_step = True
+
     def on_step_end(self, args, state, control, **kwargs):
-        if state.max_steps > 0 and state.global_step >= state.max_steps:
+        if self.save_last_step and state.max_steps > 0 and state.global_step >= state.max_steps:
             control.should_save = True
         return control
 

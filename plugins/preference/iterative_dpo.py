@@ -137,6 +137,7 @@ class IterativeDPO(Plugin):
             return
         # first, so the tag is in the row before the runner's metrics callback writes it
         trainer.callback_handler.callbacks.insert(0, _RoundTag(self))
+        _no_last_step_checkpoint(trainer)
         first_train = trainer.train
         plugin = self
 
@@ -232,6 +233,17 @@ def _keep_logged_rows(trainer) -> None:
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, MetricsJsonlCallback):
             callback.resume_step = float("inf")
+
+
+def _no_last_step_checkpoint(trainer) -> None:
+    """Every round's ``train()`` reaches ``max_steps``, so the runner's last-step checkpoint of round 0 looked like the
+    stage's last step: a stage killed in a later round was then finished from round 0's weights. Without checkpoints
+    a killed stage restarts from round 0, as documented (same seeds, so the same result)."""
+    from trl_ext.callbacks import CheckpointCompletionCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, CheckpointCompletionCallback):
+            callback.save_last_step = False
 
 
 def _no_training(trainer):
