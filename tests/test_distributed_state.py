@@ -162,6 +162,22 @@ def test_plugin_checkpoint_files_are_written_before_the_checkpoint_is_marked_com
         assert json.loads((folder / PLUGIN_STATE_DIR / "state_probe.json").read_text()) == {"step": step}
 
 
+def test_callbacks_a_plugin_puts_first_keep_their_place_before_the_metrics_writer():
+    """Only callbacks added after the completion marker's move before it; one inserted first on purpose (iterative_dpo
+    tags every logged row before the metrics file is written) stays first (it was moved behind the metrics writer,
+    and metrics.jsonl lost the tag)."""
+    from trl_ext.callbacks import (CheckpointCompletionCallback, MetricsJsonlCallback,
+                                   plugin_checkpoints_before_completion)
+
+    metrics, completion, tag = MetricsJsonlCallback("metrics.jsonl"), CheckpointCompletionCallback(), object()
+    plugin_state = PluginStateCheckpoint("p", dict, lambda s: None)
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[metrics, completion]))
+    with plugin_checkpoints_before_completion(trainer):
+        trainer.callback_handler.callbacks.insert(0, tag)
+        trainer.callback_handler.callbacks.append(plugin_state)
+    assert trainer.callback_handler.callbacks == [tag, metrics, plugin_state, completion]
+
+
 # -- metrics: TRL logs rank 0's figures, so a plugin's figure must already cover every rank -------------------------
 
 def test_reward_kl_metric_is_the_token_mean_over_both_ranks():

@@ -333,3 +333,4 @@ def test_iterative_dpo_killed_in_a_later_round_reruns_every_round(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(line) for line in (resumed / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == [1, 2, 1, 2]  # both rounds, each once
+    assert [row.get("iterative_dpo/round") for row in rows if "loss" in row] == [0, 0, 1, 1]

@@ -130,17 +130,22 @@ def plugin_checkpoints_before_completion(trainer) -> Iterator[None]:
     Plugins add their own checkpoint callbacks (``partial_rollout``'s buffer, ``ppo``'s critic,
     :class:`ReferenceModelCheckpoint`, :class:`PluginStateCheckpoint`) after the trainer was built with the completion
     callback; Trainer runs ``on_save`` in list order, so without this a kill between the marker and a plugin's file
-    left a checkpoint marked complete that lacks the file. The other callbacks keep their places.
+    left a checkpoint marked complete that lacks the file. Only callbacks added after the completion callback move;
+    one a plugin placed earlier on purpose (``iterative_dpo`` inserts its row tag first, ahead of the metrics file's
+    writer) keeps its place, as do the other callbacks.
     """
     handler = getattr(trainer, "callback_handler", None)  # trainers that train nothing (merge stages) have none
     before = list(handler.callbacks) if handler is not None else []
     yield
     if handler is None:
         return
-    added = [c for c in handler.callbacks if not any(c is b for b in before)]
-    rest = [c for c in handler.callbacks if not any(c is a for a in added)]
-    at = next((i for i, c in enumerate(rest) if isinstance(c, CheckpointCompletionCallback)), len(rest))
-    handler.callbacks[:] = rest[:at] + added + rest[at:]
+    at = next((i for i, c in enumerate(handler.callbacks) if isinstance(c, CheckpointCompletionCallback)), None)
+    if at is None:
+        return
+    late = [c for c in handler.callbacks[at + 1:] if not any(c is b for b in before)]
+    rest = [c for c in handler.callbacks if not any(c is a for a in late)]
+    at = next(i for i, c in enumerate(rest) if isinstance(c, CheckpointCompletionCallback))
+    handler.callbacks[:] = rest[:at] + late + rest[at:]
 
 
 PLUGIN_STATE_DIR = "trl_ext_plugin_state"
