@@ -229,3 +229,37 @@ def test_missing_optional_package_is_a_validation_error(tmp_path, capsys, monkey
     assert code == 2
     assert "stages[0].plugins[0]: plugin 'math_verify' needs the Python package 'math_verify'" in err
     assert "pip install 'trl-ext[math]'" in err
+
+
+def test_a_run_that_fills_its_disk_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """torch.save on a full file system fails with "enforce fail at inline_container.cc ... unexpected pos" (seen on a
+    2 MiB tmpfs), which does not say the disk is full; the line names output_dir, the free space and the resume."""
+    import shutil
+    from collections import namedtuple
+
+    import trl_ext.runner
+
+    def fails_writing(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 95488 vs 95380")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(trl_ext.runner, "run_recipe", fails_writing)
+    out = tmp_path / "out"
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2 << 20, 2 << 20, 0))
+    code, _, err = run_cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert f"output_dir '{out}': no space left on its file system (0 bytes free)" in err and "rerun" in err
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 30, 1 << 39))  # another failure
+    code, _, err = run_cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
+    assert code == 1 and "unexpected pos 95488" in err and "no space" not in err
+
+    def no_space(*args, **kwargs):  # errno ENOSPC in the chain, whatever the free space says now
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as exc:
+            raise RuntimeError("Error while serializing") from exc
+
+    monkeypatch.setattr(trl_ext.runner, "run_recipe", no_space)
+    code, _, err = run_cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
+    assert code == 1 and "no space left on its file system" in err

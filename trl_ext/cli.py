@@ -111,9 +111,48 @@ def cmd_train(ns) -> int:
     init_cpu_deepspeed([stage.args for stage in with_backend_args(recipe).stages])
     try:
         run_recipe(recipe, output_dir, catalog, max_steps=ns.max_steps, restart_unfinished=ns.restart_unfinished)
+    except Exception as exc:
+        full = no_space_left(output_dir, exc)
+        if full is None or isinstance(exc, TrlExtError):
+            raise
+        raise full from exc
     finally:
         _close_process_group()
     return 0
+
+
+# Below this much free space a failed write is taken for a full disk: a failed write of a large file (an optimizer
+# state, a model shard) can leave up to that file's size free.
+NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def no_space_left(output_dir: str, exc: BaseException) -> OSError | None:
+    """A run that failed on a full output file system, as one line that says so; None for any other failure.
+
+    Libraries report a full disk in their own words (``torch.save``: "enforce fail at inline_container.cc ... unexpected
+    pos"), so the failure is matched by errno ENOSPC anywhere in the exception chain, or by the output directory's file
+    system being nearly full. Checkpoints count only once complete, so freeing space and rerunning resumes."""
+    import errno
+    import shutil
+
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    existing = Path(output_dir).expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        free = None
+    enospc = any(isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e)
+                 for e in chain)
+    if not enospc and (free is None or free >= NEARLY_FULL_BYTES):
+        return None
+    left = f" ({free} bytes free)" if free is not None else ""
+    return OSError(errno.ENOSPC, f"output_dir {str(output_dir)!r}: no space left on its file system{left}; free "
+                                 "space and rerun the same command to resume from the newest complete checkpoint")
 
 
 def _close_process_group() -> None:
