@@ -456,6 +456,15 @@ def test_output_dir_that_is_a_file(tmp_path, capsys):
     assert_refused(code, err, "output_dir:", "is not a folder")
 
 
+def test_output_dir_that_is_a_broken_symlink(tmp_path, capsys):
+    """validate said valid; train then failed with "cannot create 'out': File exists"."""
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    for command in ("validate", "train"):
+        code, _, err = cli(capsys, command, write(tmp_path, BASE), "--output-dir", str(tmp_path / "out"))
+        assert_refused(code, err, "output_dir:", "is a broken symbolic link", str(tmp_path / "gone"))
+    assert not (tmp_path / "gone").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits, so there is no unwritable folder; "
                     "test_output_dir_refused_when_the_os_denies_writing covers the check as root")
 def test_output_dir_not_writable(tmp_path, capsys):

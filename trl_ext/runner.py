@@ -137,6 +137,9 @@ def output_dir_errors(output_dir: Path) -> list[str]:
     """The output directory must be a folder (or creatable as one) this process can write."""
     if output_dir.exists() and not output_dir.is_dir():
         return [f"output_dir: {str(output_dir)!r} exists and is not a folder"]
+    if output_dir.is_symlink() and not output_dir.exists():  # validation passed it; creating it then failed
+        return [f"output_dir: {str(output_dir)!r} is a broken symbolic link (to {os.readlink(output_dir)!r}); remove "
+                "it or create its target folder"]
     resolved = output_dir.expanduser().resolve()
     shared = {Path(resolved.anchor): "the file system root", Path.home().resolve(): "the home folder"}.get(resolved)
     if shared:
