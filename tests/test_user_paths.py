@@ -163,3 +163,22 @@ def test_models_and_datasets_commands_list_the_embedded_names(capsys):
     assert main(["datasets"]) == 0
     out = capsys.readouterr().out
     assert "embedded:arithmetic" in out and out.splitlines()[0].split() == ["name", "use", "as", "registered", "by"]
+
+
+def test_compile_caches_go_under_the_run_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
+    """torch.compile's graph and kernel cache was $TMPDIR/torchinductor_<user> (and Triton's ~/.triton), outside the
+    run; torch reads the variable each time it compiles, so setting it when the run starts is enough."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from trl_ext.runner import keep_caches_in_run
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    keep_caches_in_run(tmp_path / "run")
+    assert Path(cache_dir()) == (tmp_path / "run").resolve() / "_cache" / "torchinductor"
+    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "run").resolve() / "_cache" / "triton")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    keep_caches_in_run(tmp_path / "run")
+    assert Path(cache_dir()) == tmp_path / "mine"

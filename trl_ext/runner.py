@@ -375,10 +375,7 @@ def run_recipe(recipe: Recipe, output_dir: str | Path, catalog, max_steps: int |
     from accelerate import PartialState
 
     state = PartialState()
-    # matplotlib (the curves and plugins' plots) writes its font cache and config under $HOME unless told otherwise:
-    # keep them in the run. It reads the setting when first imported, so only a run that imports it first sets it.
-    if "matplotlib" not in sys.modules:
-        os.environ.setdefault("MPLCONFIGDIR", str(output_dir.resolve() / "_cache" / "matplotlib"))
+    keep_caches_in_run(output_dir)
     lock = RunLock(output_dir, echo)
     if state.is_main_process:
         lock.acquire()
@@ -389,6 +386,21 @@ def run_recipe(recipe: Recipe, output_dir: str | Path, catalog, max_steps: int |
         return _run_stages(recipe, resolved, fingerprints, output_dir, catalog, state, extra_callbacks, echo)
     finally:
         lock.release()
+
+
+def keep_caches_in_run(output_dir: Path) -> None:
+    """Point libraries' caches at ``<output_dir>/_cache`` unless the environment already says where they go.
+
+    matplotlib (the curves and plugins' plots) writes its font cache and config under $HOME; it reads the setting when
+    first imported, so only a run that imports it first sets it. ``torch.compile`` (``args.torch_compile``) writes its
+    compiled graphs and kernels under ``$TMPDIR/torchinductor_<user>`` and Triton under ``~/.triton``; both read their
+    variable when they compile. (Inductor's precompiled C++ headers stay in torch's default folder: torch fixes that
+    path when it is imported, before the output directory is known.)"""
+    cache = output_dir.resolve() / "_cache"
+    if "matplotlib" not in sys.modules:
+        os.environ.setdefault("MPLCONFIGDIR", str(cache / "matplotlib"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "torchinductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
 
 
 def _run_stages(recipe: Recipe, resolved: list[ResolvedStage], fingerprints: dict[str, str], output_dir: Path, catalog,
