@@ -313,6 +313,19 @@ def _stage(model, **extra):
     return StageSpec(name="mtp", trainer="mtp", model=model, dataset={"source": "embedded:arithmetic"}, **extra)
 
 
+def test_heads_load_from_a_checkpoint_after_the_model_was_saved(trained, model_dir, tmp_path):
+    """Resuming an mtp stage loads the checkpoint's heads after mtp_heads saved the starting model once, and
+    save_pretrained leaves config.dtype a string: the load failed ("'str' object has no attribute
+    'is_floating_point'"), so an interrupted mtp stage could not resume."""
+    trainer = _trainer(model_dir, tmp_path / "out")
+    trainer.save_model(str(tmp_path / "before"))  # what mtp_heads' trl_ext_trainer_created does
+    assert isinstance(trainer.policy.config.dtype, str)
+    trainer._load_from_checkpoint(trained[4])
+    for name, param in trainer.head_parameters().items():
+        assert torch.equal(param, trained[0].head_parameters()[name]), name
+    assert trainer.policy.config.dtype == "float32"  # left as it was
+
+
 def test_model_class_without_mtp_is_refused_at_validation_naming_the_class():
     errors = check_stage(_stage("embedded:tiny-qwen2"), {}, "stages[0]")
     assert len(errors) == 1

@@ -247,13 +247,17 @@ def checkpoint_has_heads(model: PreTrainedModel, directory: str | os.PathLike) -
 
 @contextlib.contextmanager
 def _reading_from(model: PreTrainedModel, directory: str):
-    """``MtpModel.from_pretrained(main_model)`` reads ``main_model.config.name_or_path``; point it elsewhere."""
-    saved = model.config.name_or_path
+    """``MtpModel.from_pretrained(main_model)`` reads ``main_model.config.name_or_path``: point it elsewhere. It also
+    builds the heads under ``config.dtype``, which ``save_pretrained`` leaves as a string ('float32') that it cannot
+    use; a stage resumed after the model was saved once (mtp_heads saves the starting model to measure it) failed with
+    "'str' object has no attribute 'is_floating_point'". The model's own dtype is used for the duration."""
+    saved = model.config.name_or_path, model.config.dtype
     model.config.name_or_path = str(directory)
+    model.config.dtype = model.dtype
     try:
         yield
     finally:
-        model.config.name_or_path = saved
+        model.config.name_or_path, model.config.dtype = saved
 
 
 def load_heads(model: PreTrainedModel, directory: str | os.PathLike):
