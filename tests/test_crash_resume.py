@@ -154,5 +154,43 @@ def test_killed_at_every_write_point_resumes_to_the_uninterrupted_result(tmp_pat
         assert not list(stage.glob(".final-save")), point
 
 
+def test_atomic_writes_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    """write_json_atomic, the metrics file rewrite and the checkpoint marker: the temporary file's data is fsynced
+    before the rename and the folder after it (they were renamed unflushed: after a power loss a file system may keep
+    the rename and lose the data, leaving an empty run.json or a marker beside empty checkpoint files)."""
+    from trl_ext.callbacks import CHECKPOINT_COMPLETE, CheckpointCompletionCallback, rewrite_jsonl
+    from trl_ext.files import write_json_atomic
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_json_atomic(tmp_path / "run.json", {"a": 1})
+    assert events == [("fsync", f".run.json.tmp-{os.getpid()}"), ("replace", "run.json"), ("fsync", tmp_path.name)]
+    events.clear()
+    rewrite_jsonl(tmp_path / "metrics.jsonl", [{"step": 1}])
+    assert events[0] == ("fsync", f".metrics.jsonl.tmp-{os.getpid()}") and events[1] == ("replace", "metrics.jsonl")
+
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    events.clear()
+    args, state = type("A", (), {"output_dir": str(tmp_path)})(), type("S", (), {"global_step": 2,
+                                                                                 "is_world_process_zero": True})()
+    CheckpointCompletionCallback().on_save(args, state, None)
+    marker = events.index(("replace", CHECKPOINT_COMPLETE))
+    assert ("fsync", "model.safetensors") in events[:marker]
+    assert json.loads((folder / CHECKPOINT_COMPLETE).read_text()) == {"global_step": 2}
+
+
 if __name__ == "__main__":
     _driver(sys.argv[1], sys.argv[2])

@@ -33,10 +33,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def rewrite_jsonl(path: Path, rows: list[dict]) -> None:
-    """Replace a JSON-lines file atomically (temp file + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    """Replace a JSON-lines file atomically (temp file + fsync + rename)."""
+    from trl_ext.files import write_text_atomic
+
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 class MetricsJsonlCallback(TrainerCallback):
@@ -100,10 +100,18 @@ class CheckpointCompletionCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         PartialState().wait_for_everyone()
         if state.is_world_process_zero and folder.is_dir():
+            from trl_ext.files import fsync_folder, write_text_atomic
+
+            # Trainer does not fsync what it wrote: flushed here, so after a power loss a checkpoint marked complete
+            # holds whole files and not only their names.
+            for item in sorted(p for p in folder.rglob("*") if p.is_file()):
+                with open(item, "rb") as handle:
+                    os.fsync(handle.fileno())
+            for sub in sorted(p for p in folder.rglob("*") if p.is_dir()):
+                fsync_folder(sub)
+            fsync_folder(folder)
             crash_point("checkpoint")
-            tmp = folder / f".{CHECKPOINT_COMPLETE}.tmp"
-            tmp.write_text(json.dumps({"global_step": state.global_step}))
-            os.replace(tmp, folder / CHECKPOINT_COMPLETE)
+            write_text_atomic(folder / CHECKPOINT_COMPLETE, json.dumps({"global_step": state.global_step}))
         PartialState().wait_for_everyone()
 
 
