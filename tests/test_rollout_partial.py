@@ -244,6 +244,30 @@ def test_lambda_one_is_plain_generation_and_eval_is_untouched(tiny_trainer):
     assert len(plugin.history) == calls and plugin.buffer == []
 
 
+def test_an_evaluation_between_micro_steps_keeps_the_stale_mask(tiny_trainer):
+    """A generation batch trains over several optimizer steps (steps_per_generation, num_iterations); an evaluation
+    between them must not drop the stale-token mask of the batch still being trained (it did: the host forwarded only
+    the loss extras of the last scoring round, the evaluation's, so mask_offpolicy silently stopped applying)."""
+    from trl_ext_plugins.rollout.partial_rollout import PendingGroup, Trajectory
+
+    trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=1.0, mask_offpolicy=True)
+    # one resumed group whose 6-token prefixes version 0 sampled; the batch is generated at version 1
+    plugin.buffer = [PendingGroup([data[0]] * 4, [Trajectory([5] * 6, [-1.0] * 6, [0] * 6) for _ in range(4)])]
+    trainer.state.global_step = 1
+    torch.manual_seed(0)
+    batch = trainer._generate_and_score_completions(_rows(data, 4))
+    mask = batch["completion_mask"].bool()
+    fresh = mask & (batch[STALE_KEY] == 0)
+    assert 0 < int(fresh.sum()) < int(mask.sum())
+    trainer.model.eval()
+    trainer._generate_and_score_completions(_rows(data, 8))  # an evaluation round
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer sets at each accumulation window
+    trainer._plugin_loss(trainer.model, batch)
+    kept = trainer._metrics["train"]["loss_mask/kept_fraction"][-1]
+    assert kept == pytest.approx(int(fresh.sum()) / int(mask.sum()))
+
+
 def test_buffer_survives_checkpoint_and_resume(tiny_trainer, tmp_path):
     trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.5)
     torch.manual_seed(2)

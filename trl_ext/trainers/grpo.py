@@ -297,7 +297,11 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         if advantages is not None:
             output["advantages"] = advantages.detach()
         output.update(batch.loss_extras)
-        self._loss_extra_keys = tuple(batch.loss_extras)
+        # Every key any round has produced (a key absent from a micro-batch is skipped in _plugin_loss): a training
+        # generation batch is consumed over several optimizer steps (steps_per_generation, num_iterations), and an
+        # evaluation in between must not drop the extras of the batch still being trained (partial_rollout's stale
+        # mask silently stopped applying after an eval step).
+        self._loss_extra_keys = tuple(dict.fromkeys((*self._loss_extra_keys, *batch.loss_extras)))
         if keep is not None:
             local_keep = keep[batch.process_slice].to(output["completion_mask"].dtype)
             adv = output["advantages"]
