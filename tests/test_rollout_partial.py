@@ -268,6 +268,31 @@ def test_an_evaluation_between_micro_steps_keeps_the_stale_mask(tiny_trainer):
     assert kept == pytest.approx(int(fresh.sum()) / int(mask.sum()))
 
 
+def test_a_restored_prefix_longer_than_the_cap_is_cut_not_extended(tiny_trainer):
+    """A buffer saved with max_completion_length 12 and resumed with 8: a 10-token prefix has budget -2; it used to
+    receive ids[:-2] of the call's new tokens (16 tokens in all, twice the cap). It is cut at the cap and finished;
+    a 3-token prefix still continues to at most the cap."""
+    from trl_ext_plugins.rollout.partial_rollout import PendingGroup, Trajectory, capped
+
+    assert capped(Trajectory([1, 2, 3], [-1.0, -2.0, -3.0], [0, 0, 1]), 2) == Trajectory([1, 2], [-1.0, -2.0], [0, 0],
+                                                                                          True)
+    assert capped(Trajectory([1, 2], [-1.0, -2.0], [0, 0]), 3) == Trajectory([1, 2], [-1.0, -2.0], [0, 0], False)
+    plugin = PartialRollout(PartialRollout.Params(finish_fraction=1.0))
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data,
+                           args={"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
+                                 "temperature": 1.0})
+    trainer.model.train()
+    long, short = (Trajectory([5] * 10, [-1.0] * 10, [0] * 10), Trajectory([5] * 3, [-1.0] * 3, [0] * 3))
+    plugin.buffer = [PendingGroup([data[0]] * 4, [long, long, short, short])]
+    trainer.state.global_step = 1
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions([data[1]] * 8)
+    lengths = out["completion_mask"].sum(1).tolist()
+    assert lengths[:2] == [8, 8] and all(3 < n <= 8 for n in lengths[2:4]) and max(lengths) <= 8
+    assert out["completion_ids"][0, :8].tolist() == [5] * 8 and out[STALE_KEY][0, :8].tolist() == [1.0] * 8
+
+
 def test_buffer_survives_checkpoint_and_resume(tiny_trainer, tmp_path):
     trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.5)
     torch.manual_seed(2)

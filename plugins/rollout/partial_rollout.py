@@ -60,6 +60,17 @@ class PendingGroup:
     samples: list[Trajectory]
 
 
+def capped(trajectory: Trajectory, max_len: int) -> Trajectory:
+    """``trajectory`` cut to ``max_len`` tokens, finished once it has that many (a trajectory cut by
+    ``max_completion_length`` counts as finished). A buffer restored into a run with a smaller ``max_completion_length``
+    holds longer prefixes: their remaining budget would be negative, and ``ids[:budget]`` then kept all but the last
+    ``-budget`` new tokens, growing a trajectory past the cap."""
+    if len(trajectory.ids) >= max_len:
+        trajectory.ids, trajectory.logps = trajectory.ids[:max_len], trajectory.logps[:max_len]
+        trajectory.versions, trajectory.finished = trajectory.versions[:max_len], True
+    return trajectory
+
+
 class StopWhenEnoughFinished(StoppingCriteria):
     """Per-row stop at EOS or at the row's own token budget; all rows stop once ``target`` units have finished.
 
@@ -300,9 +311,9 @@ class PartialRollout(Plugin):
         if images is not None or multimodal_fields:
             raise RuntimeError(f"plugin {self.name!r} does not support multimodal prompts")
         plan = self._plan
-        states = [copy.deepcopy(p) if p is not None else Trajectory() for p in plan]
-        active = [i for i, s in enumerate(states) if not s.finished]
         max_len = trainer.max_completion_length
+        states = [capped(copy.deepcopy(p), max_len) if p is not None else Trajectory() for p in plan]
+        active = [i for i, s in enumerate(states) if not s.finished]
         # Rows of one prompt group sit next to each other (refill_groups), so slot i belongs to group i // G.
         groups = [i // trainer.num_generations for i in active] if self.params.stop_unit == "groups" else None
         target = finish_target(len(active) if groups is None else len(set(groups)), self.params.finish_fraction)
