@@ -293,6 +293,21 @@ def test_a_restored_prefix_longer_than_the_cap_is_cut_not_extended(tiny_trainer)
     assert out["completion_ids"][0, :8].tolist() == [5] * 8 and out[STALE_KEY][0, :8].tolist() == [1.0] * 8
 
 
+def test_a_restored_buffer_of_another_group_size_is_refused(tiny_trainer):
+    """Groups of 4 restored into a run with num_generations 2 used to fail deep in TRL ("Sizes of tensors must
+    match"): the resumed rows no longer added up to the generation batch."""
+    from trl_ext_plugins.rollout.partial_rollout import PendingGroup, Trajectory
+
+    plugin = PartialRollout(PartialRollout.Params())
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data,
+                           args={"per_device_train_batch_size": 8, "num_generations": 2, "max_completion_length": 8})
+    trainer.model.train()
+    plugin.buffer = [PendingGroup([data[0]] * 4, [Trajectory([5] * 3, [-1.0] * 3, [0] * 3) for _ in range(4)])]
+    with pytest.raises(ValueError, match=r"groups of \[4\] trajectories, but num_generations is 2"):
+        trainer._generate_and_score_completions([data[1]] * 8)
+
+
 def test_buffer_survives_checkpoint_and_resume(tiny_trainer, tmp_path):
     trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.5)
     torch.manual_seed(2)

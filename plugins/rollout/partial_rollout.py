@@ -247,6 +247,11 @@ class PartialRollout(Plugin):
         if len(inputs) % G:
             raise ValueError(f"plugin {self.name!r}: this rank's generation batch ({len(inputs)} rows) does not hold "
                              f"whole groups of {G}; make the per-device generation batch a multiple of num_generations")
+        sizes = sorted({len(group.samples) for group in self.buffer} - {G})
+        if sizes:  # a buffer restored into a run with another num_generations: its groups cannot fill G slots each
+            raise ValueError(f"plugin {self.name!r}: the buffer restored from the checkpoint holds groups of {sizes} "
+                             f"trajectories, but num_generations is {G}; resume with the num_generations it was "
+                             "saved with")
         capacity = len(inputs) // G
         resumed, self.buffer = self.buffer[:capacity], self.buffer[capacity:]
         rows = [row for group in resumed for row in group.rows] + list(inputs[: len(inputs) - G * len(resumed)])
