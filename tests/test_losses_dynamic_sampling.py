@@ -136,6 +136,15 @@ def test_cap_on_rounds_keeps_the_batch_and_masks_the_dropped_groups(tiny_trainer
     assert int(output["completion_mask"].sum()) == 0 and int(output["num_items_in_batch"]) == 0
 
 
+def test_cap_with_on_cap_error_raises_as_verl(tiny_trainer):
+    full = arithmetic_dataset("train", format="prompt", size=64)
+    even = full.filter(lambda row: int(row["answer"]) % 2 == 0)  # every group has zero variance
+    trainer, plugin = _build(tiny_trainer, even, max_rounds=2, on_cap="error")
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match=r"2 generation rounds \(4 prompts\) found 0 of the 2 groups"):
+        trainer._generate_and_score_completions(_rows(even, [0, 1]))
+
+
 def test_first_round_full_means_one_round_and_eval_is_untouched(tiny_trainer):
     full = arithmetic_dataset("train", format="prompt", size=64)
     odd = full.filter(lambda row: int(row["answer"]) % 2 == 1)

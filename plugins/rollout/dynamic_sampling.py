@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 from pydantic import Field
@@ -24,6 +26,11 @@ class DynamicSamplingParams(PluginParams):
                                       "trainer's generation batch (verl train_batch_size). null: the generation "
                                       "batch's own prompt count. round_prompts * num_generations must divide evenly "
                                       "over the processes.")
+    on_cap: Literal["mask", "error"] = Field(
+        "mask", description="When max_rounds rounds still hold fewer groups with a signal than the batch has room for. "
+        "mask: train what was kept, the batch completed with dropped groups, masked out (the default); error: stop "
+        "training with an error, as verl's DAPO trainer does at filter_groups.max_num_gen_batches (DAPO itself samples "
+        "until the batch is full).")
     metric: str | None = Field(None, description="Reward function whose within-group variance decides (a reward "
                                                  "name of the stage, e.g. exact_match, as DAPO filters on accuracy); "
                                                  "null: the weighted total reward the advantages use.")
@@ -35,7 +42,9 @@ class DynamicSampling(Plugin):
     Groups whose rewards all agree (std = 0, e.g. all correct or all wrong) have zero group-normalised advantage and
     carry no gradient. This plugin drops them and generates further rounds of new prompts until the generation batch
     again holds as many groups with a learning signal as it has room for, or until ``max_rounds`` rounds (default 10,
-    the first included) have run; then it keeps what there is and completes the batch with dropped groups, masked out.
+    the first included) have run; then it keeps what there is and completes the batch with dropped groups, masked out
+    (``on_cap: mask``, the default), or raises (``on_cap: error``, verl's behaviour at ``max_num_gen_batches``; DAPO's
+    paper samples until the batch is full, i.e. no cap).
 
     Conventions chosen:
 
@@ -118,6 +127,10 @@ class DynamicSampling(Plugin):
             round_count, prompts = round_count + 1, prompts + size
         chosen = select_groups(signal, needed)
         kept = sum(int(signal[r][g]) for r, g in chosen)
+        if kept < needed and self.params.on_cap == "error":  # kept comes from gathered masks: every rank raises
+            raise RuntimeError(f"plugin {self.name!r}: {round_count} generation rounds ({prompts} prompts) found "
+                               f"{kept} of the {needed} groups with reward variance the batch needs (on_cap: error, "
+                               "as verl); raise max_rounds, use easier prompts, or set on_cap: mask")
         record = {"dynamic_sampling/rounds": round_count, "dynamic_sampling/prompts": prompts,
                   "dynamic_sampling/kept_groups_fraction": kept / needed,
                   "dynamic_sampling/cap_hit": float(kept < needed)}
