@@ -308,6 +308,32 @@ def test_a_restored_buffer_of_another_group_size_is_refused(tiny_trainer):
         trainer._generate_and_score_completions([data[1]] * 8)
 
 
+def test_stale_token_fraction_counts_the_tokens_the_loss_sees(tiny_trainer):
+    """With mask_truncated_completions, TRL zeroes the mask of trajectories cut by the cap; the logged stale share
+    counted their tokens anyway (0.4 here, where the loss sees 7 stale tokens of 9: 0.778)."""
+    from trl_ext_plugins.rollout.partial_rollout import PendingGroup, Trajectory
+
+    plugin = PartialRollout(PartialRollout.Params(finish_fraction=1.0))
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data,
+                           args={"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 12,
+                                 "temperature": 1.0, "mask_truncated_completions": True})
+    trainer.model.train()
+    eos = trainer.eos_token_ids[0]
+    plugin.buffer = [PendingGroup([data[0]] * 4, [Trajectory([5, 5, eos], [-1.0] * 3, [0] * 3, True),
+                                                  Trajectory([5] * 11, [-1.0] * 11, [0] * 11),
+                                                  Trajectory([5, eos], [-1.0] * 2, [0] * 2, True),
+                                                  Trajectory([5, eos], [-1.0] * 2, [0] * 2, True)])]
+    trainer.state.global_step = 1
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions(_rows(data, 4)[:8])
+    mask = out["completion_mask"].bool()
+    assert int(mask[1].sum()) == 0  # the 11-token prefix was cut by the cap (seeded): TRL masks it
+    expected = float((out[STALE_KEY].bool() & mask).sum() / mask.sum())
+    assert plugin.history[-1]["partial_rollout/stale_token_fraction"] == pytest.approx(expected)
+    assert expected == pytest.approx(7 / 9)
+
+
 def test_buffer_survives_checkpoint_and_resume(tiny_trainer, tmp_path):
     trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.5)
     torch.manual_seed(2)

@@ -374,13 +374,13 @@ class PartialRollout(Plugin):
         complete = [all(s.finished for s in states[g:g + G]) for g in range(0, len(states), G)]
         local = torch.tensor([c for c in complete for _ in range(G)], device=rewards.device)
         stale = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
-        stale_trained = tokens_trained = 0
         for row, s in enumerate(states):
             marks = stale_token_mask(s.versions, trainer.state.global_step)
             stale[row, : len(marks)] = torch.tensor(marks, dtype=torch.float32)
-            if complete[row // G]:
-                stale_trained, tokens_trained = stale_trained + sum(marks), tokens_trained + len(marks)
-        self._trained_tokens = (stale_trained, tokens_trained)
+        # The logged share counts the tokens the loss sees: TRL's completion mask, which mask_truncated_completions
+        # has already zeroed for trajectories cut by the cap, within the groups that train.
+        trained = batch.completion_mask.bool() & local.to(stale.device).unsqueeze(1)
+        self._trained_tokens = (int((stale.bool() & trained).sum()), int(trained.sum()))
         batch.loss_extras[STALE_KEY] = stale
         keep = trainer.accelerator.gather(local)
         self._trained_rewards = trained_group_rewards(rewards, keep, G)
