@@ -14,7 +14,8 @@ For every backend x trainer, two variants train the embedded tiny Qwen2 on the e
 Each variant is its own ``torch.distributed.run`` job of 2 processes (repeats interleave the variants, reversing the
 order every other round), so no run inherits another's warmed caches. Rank 0 reports the median step time over the
 steps after two warm-up steps; the figure per cell is the median over repeats, and the ratio is trl-ext / TRL.
-ZeRO-2/3 need the ``deepspeed`` extra; without it those backends are reported as skipped.
+ZeRO-2/3 need the ``deepspeed`` extra; without it those backends are reported as skipped. The processes run on the
+CPU, where accelerate does not enable FSDP (the ranks would run DDP), so ``fsdp2`` is reported as skipped too.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def main() -> None:
         for backend in ns.backends:
             if backend.startswith("zero") and not has_deepspeed:
                 print(f"{backend}: skipped (pip install 'trl-ext[deepspeed]')")
+                continue
+            if backend == "fsdp2":  # CPU process groups: accelerate would wrap DDP, timing ddp under fsdp2's name
+                print(f"{backend}: skipped (accelerate enables FSDP only on GPUs; these processes run on the CPU)")
                 continue
             for trainer_name in ns.trainers:
                 times = {v: [] for v in VARIANTS}

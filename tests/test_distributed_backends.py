@@ -7,7 +7,8 @@ seed; the logged loss must agree to 1e-5 (relative) and every weight to 1e-6 (ab
 0.1, so a weight moves by lr x its gradient (up to ~1e-2 here) and a weight difference is lr x the gradient difference:
 a wrong reduction of the loss or the gradient (a missing 1/world_size, one rank's tokens counted twice) shows at the
 size of the step itself. (Adam would amplify float rounding in near-zero gradients to ~lr, hiding nothing but making
-the tolerance meaningless; the PPO critic keeps its AdamW, see the test.)
+the tolerance meaningless; the PPO critic keeps its AdamW, see the test.) FSDP2 runs only where CUDA is available:
+accelerate does not enable FSDP for CPU process groups (the ranks would run DDP), so trl-ext refuses it on CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from trl_ext.recipe import DistributedSpec, parse_recipe
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is an extra: pip install 'trl-ext[deepspeed]' "
                                                                "(.ci/run installs it for this file)")
+# accelerate enables FSDP only for GPU process groups (CPU ranks stay MULTI_CPU under DDP), so trl-ext refuses fsdp2
+# without CUDA and the FSDP2 cases run only where there is a GPU.
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2 needs CUDA (refused on CPU)")
 GLOBAL_BATCH = 8
 FIXED_ROLLOUTS = Path(__file__).resolve().parent / "fixed_rollouts_cli.py"  # trl-ext's CLI + a deterministic rollout
 STAGES = {
@@ -83,6 +87,22 @@ def test_bad_distributed_sections_are_refused_naming_the_field(section, message)
     with pytest.raises(RecipeError) as info:
         parse_recipe({"distributed": section, "trainer": "sft", "model": "m", "dataset": "d"})
     assert message in str(info.value)
+
+
+def test_fsdp2_without_cuda_is_refused_not_run_as_ddp(monkeypatch):
+    """On CPU ranks accelerate keeps MULTI_CPU and Trainer wraps DDP, so a recipe saying fsdp2 trained unsharded."""
+    from trl_ext.runner import check_distributed
+
+    recipe = parse_recipe({"distributed": {"num_processes": 2, "backend": "fsdp2"}, "trainer": "sft", "model": "m",
+                           "dataset": "d"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (message,) = check_distributed(recipe)
+    assert message.startswith("distributed.backend: 'fsdp2' needs CUDA") and "DDP" in message
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert check_distributed(recipe) == []
+    ddp = parse_recipe({"distributed": {"num_processes": 2}, "trainer": "sft", "model": "m", "dataset": "d"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_distributed(ddp) == []
 
 
 @pytest.mark.skipif(HAS_DEEPSPEED, reason="checks the message shown when DeepSpeed is missing")
@@ -157,7 +177,8 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo", "ppo"])
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2", pytest.param("zero2", marks=NEEDS_DEEPSPEED),
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("fsdp2", marks=NEEDS_CUDA),
+                                     pytest.param("zero2", marks=NEEDS_DEEPSPEED),
                                      pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
 def test_two_processes_equal_one(tmp_path, one_process, backend, trainer):
     ref_logged, ref_weights = one_process(trainer)
@@ -194,7 +215,8 @@ def _run_sft(out: Path, recipe: Path, crash_at: str | None = None) -> subprocess
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
+@pytest.mark.parametrize("backend", [pytest.param("fsdp2", marks=NEEDS_CUDA),
+                                     pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
 def test_sharded_checkpoint_resumes_after_kill_to_the_uninterrupted_result(tmp_path, backend):
     data = json.loads(_write_recipe(tmp_path / "r.yaml", "sft", per_device=4,
                                     distributed={"num_processes": 2, "backend": backend}).read_text())

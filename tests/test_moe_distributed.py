@@ -1,6 +1,6 @@
 """routing_replay R3 on 2 CPU processes (gloo) under DDP, FSDP2 and DeepSpeed ZeRO-3 (slow): a recipe's
 ``distributed:`` section makes ``trl-ext train`` start torchrun; every logged step replays the rollout routing
-exactly."""
+exactly. FSDP2 needs CUDA (refused on CPU, where accelerate would run the ranks under DDP)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed is an extra: pip install 'trl-ext[deepspeed]' (.ci/run installs "
                                             "it for the slow tests)")
 
 
+# accelerate enables FSDP only for GPU process groups; trl-ext refuses fsdp2 without CUDA (CPU ranks would run DDP)
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2 needs CUDA (refused on CPU)")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2", pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("fsdp2", marks=NEEDS_CUDA),
+                                     pytest.param("zero3", marks=NEEDS_DEEPSPEED)])
 def test_r3_on_two_processes(tmp_path, backend):
     recipe = {
         "seed": 0, "name": "grpo", "trainer": "grpo", "model": "embedded:tiny-qwen3-moe",

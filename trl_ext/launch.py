@@ -16,7 +16,9 @@ fsdp2    ``fsdp: "full_shard auto_wrap"``, ``fsdp_config: {version: 2}`` (PyTorc
 ======== ==============================================================================================
 
 On a machine without CUDA, ranks run on the CPU with gloo (``use_cpu: true`` is added: without it every rank
-believes it is alone and trains its own copy into the same folder).
+believes it is alone and trains its own copy into the same folder). ``fsdp2`` needs CUDA and is refused without it
+(``trl_ext.runner.check_distributed``): accelerate enables FSDP only for GPU process groups, so CPU ranks would
+silently train unsharded under DDP.
 
 Already inside a launched job (``WORLD_SIZE`` set, e.g. under ``accelerate launch`` or ``torchrun``) nothing is
 re-launched: the section's backend arguments still apply. Multi-node: run the same command on every machine with

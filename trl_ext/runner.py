@@ -156,12 +156,19 @@ def output_dir_errors(output_dir: Path) -> list[str]:
 
 
 def check_distributed(recipe: Recipe) -> list[str]:
-    """The ``distributed`` section's needs that the schema cannot see (installed backends)."""
+    """The ``distributed`` section's needs that the schema cannot see (installed backends, this machine's devices)."""
     import importlib.util
+
+    import torch
 
     spec = recipe.distributed
     if spec is not None and spec.backend in ("zero2", "zero3") and importlib.util.find_spec("deepspeed") is None:
         return [f"distributed.backend: {spec.backend!r} needs DeepSpeed: pip install 'trl-ext[deepspeed]'"]
+    if spec is not None and spec.backend == "fsdp2" and not torch.cuda.is_available():
+        # accelerate turns FSDP on only for GPU-type process groups: with CPU (gloo) ranks it keeps MULTI_CPU, and
+        # Trainer wraps the model in DDP, so the run would train unsharded while the recipe says fsdp2.
+        return ["distributed.backend: 'fsdp2' needs CUDA: without it accelerate does not enable FSDP and the CPU ranks "
+                "would silently train unsharded with DDP; use backend 'ddp' (or 'zero2'/'zero3') on CPU"]
     return []
 
 
