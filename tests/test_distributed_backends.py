@@ -233,3 +233,31 @@ def test_sharded_checkpoint_resumes_after_kill_to_the_uninterrupted_result(tmp_p
     a, b = _parameters(tmp_path / "straight" / "sft"), _parameters(tmp_path / "resumed" / "sft")
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst < 1e-6, f"{backend}: resumed run differs from the uninterrupted one by {worst:.3g}"
+
+
+# -- held-out evaluation of a sharded model (slow) ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@NEEDS_DEEPSPEED
+def test_held_out_evaluation_under_zero3_equals_one_process(tmp_path):
+    """ZeRO-3 shards every weight: the main process alone could not evaluate (``'weight' must be 2-D`` before training,
+    a hang in the engine's fetch hooks after). Every rank now evaluates in step; eval.json (greedy and seeded sampled
+    completions, before and after the step) is what one process writes."""
+    data = json.loads(_write_recipe(tmp_path / "r.yaml", "sft", per_device=4).read_text())
+    data["evaluation"] = {"dataset": {"source": "embedded:arithmetic", "split": "test", "params": {"format": "prompt"},
+                                      "limit": 4}, "reward": "exact_match", "max_new_tokens": 4, "mean_at_k": 2}
+    one = tmp_path / "one.yaml"
+    one.write_text(json.dumps(data))
+    two = tmp_path / "two.yaml"
+    args = {**data["args"], "per_device_train_batch_size": 2}  # the same global batch of 4
+    two.write_text(json.dumps({**data, "args": args, "distributed": {"num_processes": 2, "backend": "zero3"}}))
+    evaluations = []
+    for recipe, out in ((one, tmp_path / "one"), (two, tmp_path / "two")):
+        result = subprocess.run([sys.executable, "-m", "trl_ext.cli", "train", str(recipe), "--output-dir", str(out)],
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        evaluations.append(json.loads((out / "sft" / "eval.json").read_text()))
+    single, sharded = evaluations
+    assert set(single) == {"before", "after"} and single["before"]["n"] == 4
+    assert sharded == single

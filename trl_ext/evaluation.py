@@ -8,6 +8,27 @@ import torch
 NUM_SHOWN_SAMPLES = 5
 
 
+@contextlib.contextmanager
+def evaluation_model(trainer, is_main_process: bool):
+    """``(model, evaluate_here)`` for a held-out evaluation of the trainer's model; enter it on **every** rank.
+
+    Without sharding the main process evaluates alone on the unwrapped model. Under DeepSpeed ZeRO-3 or FSDP each
+    rank holds a shard of every weight and a forward pass is a collective, so the main process cannot generate alone
+    (ZeRO-3: ``'weight' must be 2-D`` before the engine exists, a hang in the engine's fetch hooks after): every rank
+    then runs the same evaluation in step (same prompts, greedy or seeded sampling; the main process's result is the
+    one written), inside TRL's ``unwrap_model_for_generation``, which gathers ZeRO-3 weights as TRL's own generation
+    does. The caller waits for every rank (a barrier) after the block.
+    """
+    from trl.distributed import DistributedBackend
+    from trl.models import unwrap_model_for_generation
+
+    backend = DistributedBackend(trainer.accelerator)
+    sharded = backend.is_zero3 or backend.is_fsdp
+    wrapped = getattr(trainer, "model_wrapped", None) or trainer.model
+    with unwrap_model_for_generation(wrapped, trainer.accelerator) as model:
+        yield model, sharded or is_main_process
+
+
 @torch.no_grad()
 def evaluate_generation(
     model,

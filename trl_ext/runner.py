@@ -747,32 +747,40 @@ def _last_logged(metrics_path: Path) -> dict[str, Any]:
 
 def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: ResolvedStage) -> dict[str, Any]:
     """Greedy held-out evaluation scored by the evaluation's reward plugin, and the sampled one when the evaluation
-    asks for ``mean_at_k`` (main process; others wait)."""
+    asks for ``mean_at_k`` (main process; others wait, or evaluate in step when the model is sharded)."""
     from accelerate import PartialState
 
+    from trl_ext.evaluation import evaluation_model
+
+    state = PartialState()
+    result: dict[str, Any] = {}
+    # entered on every rank: a sharded model (ZeRO-3, FSDP) is evaluated by every rank in step
+    with evaluation_model(trainer, state.is_main_process) as (model, evaluate_here):
+        if evaluate_here:
+            result = _evaluate(model, tokenizer, spec, ctx, rs)
+    state.wait_for_everyone()
+    return result if state.is_main_process else {}
+
+
+def _evaluate(model, tokenizer, spec: StageSpec, ctx: RunContext, rs: ResolvedStage) -> dict[str, Any]:
     from trl_ext.evaluation import evaluate_generation, sampled_evaluation
     from trl_ext.host import PluginHost
     from trl_ext.rewards import collect_reward_functions, weighted_reward
 
-    state = PartialState()
-    result: dict[str, Any] = {}
-    if state.is_main_process:
-        ev = spec.evaluation
-        plugins = evaluation_reward_plugins(spec, rs.index, ctx.catalog)
-        reward_fn = weighted_reward(collect_reward_functions(PluginHost(plugins), spec))
-        dataset = load_split(ev.dataset, ctx.catalog, spec, "evaluation", None)
-        if ev.limit is not None:
-            dataset = dataset.select(range(min(ev.limit, len(dataset))))
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        result = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
-                                     batch_size=ev.batch_size)
-        if ev.mean_at_k:
-            result.update(sampled_evaluation(model, tokenizer, dataset, reward_fn, ev.mean_at_k, ev.temperature,
-                                             seed=ctx.recipe.seed or 0, max_new_tokens=ev.max_new_tokens,
-                                             batch_size=ev.batch_size))
-        ctx.echo(f"[trl-ext] stage {spec.name!r} held-out: " + ", ".join(f"{k}={v:.4g}" for k, v in result.items()
-                                                                           if isinstance(v, (int, float))))
-    state.wait_for_everyone()
+    ev = spec.evaluation
+    plugins = evaluation_reward_plugins(spec, rs.index, ctx.catalog)
+    reward_fn = weighted_reward(collect_reward_functions(PluginHost(plugins), spec))
+    dataset = load_split(ev.dataset, ctx.catalog, spec, "evaluation", None)
+    if ev.limit is not None:
+        dataset = dataset.select(range(min(ev.limit, len(dataset))))
+    result = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
+                                 batch_size=ev.batch_size)
+    if ev.mean_at_k:
+        result.update(sampled_evaluation(model, tokenizer, dataset, reward_fn, ev.mean_at_k, ev.temperature,
+                                         seed=ctx.recipe.seed or 0, max_new_tokens=ev.max_new_tokens,
+                                         batch_size=ev.batch_size))
+    ctx.echo(f"[trl-ext] stage {spec.name!r} held-out: " + ", ".join(f"{k}={v:.4g}" for k, v in result.items()
+                                                                       if isinstance(v, (int, float))))
     return result
 
 
