@@ -1,8 +1,9 @@
 """Kill -9 at every write point of a run, rerun the same command, get the uninterrupted run's result bit for bit.
 
-For an SFT, a GRPO, a BOND (moving EMA anchor) and a DPO stage (tiny embedded model, 4 steps, a checkpoint every 2):
-one uninterrupted run, then for each write point a run killed there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py:
-``os._exit(137)``, which is what SIGKILL leaves: no cleanup, no ``finally``) followed by the same command again.
+For an SFT, a GRPO, a BOND (moving EMA anchor), an MoE GRPO (routing replay, bfloat16 sampling copy) and a DPO stage
+(tiny embedded model, 4 steps, a checkpoint every 2): one uninterrupted run, then for each write point a run killed
+there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py: ``os._exit(137)``, which is what SIGKILL leaves: no cleanup, no
+``finally``) followed by the same command again.
 The resumed run's final weights (``model.safetensors``, compared tensor by tensor with ``torch.equal``) and every
 per-step metrics row must equal the uninterrupted run's. The end-of-training row is Trainer's own summary (runtimes;
 ``train_loss`` averaged over the steps of the session that logs it), so only its presence is compared.
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,6 +46,16 @@ RECIPES = {
         "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
                  "temperature": 1.0},
     },
+    # An MoE policy (experts fused in memory, saved per expert: resume must convert them) sampled by a bfloat16 copy
+    # (built at a session's first rollout: it must not draw from the restored RNG) with its routing replayed.
+    "moe_grpo": {
+        "trainer": "grpo", "model": "embedded:tiny-qwen3-moe",
+        "plugins": ["grpo", {"routing_replay": {"mode": "R3"}}, {"rollout_logprobs": {"dtype": "bfloat16"}},
+                    "exact_match"],
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 64},
+        "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
+                 "temperature": 1.0, "gradient_checkpointing": False},
+    },
     "dpo": {
         "trainer": "dpo", "model": "embedded:tiny-qwen2-small", "plugins": ["dpo"],
         "dataset": {"source": "embedded:arithmetic", "params": {"format": "preference"}, "limit": 64},
@@ -58,6 +70,7 @@ ALL_POINTS = ["checkpoint:2", "metrics:3", "train_end:1", "final_save:1", "write
 # Every point for SFT; for GRPO and DPO the ones inside and right after their training (the rest is trainer-agnostic
 # runner code), which keeps each test to a few minutes on 2 CPU cores.
 CRASH_POINTS = {"sft": ALL_POINTS, "grpo": ["checkpoint:2", "metrics:3", "final_save:1"], "bond": ["checkpoint:2"],
+                "moe_grpo": ["checkpoint:2", "final_save:1"],
                 "dpo": ["checkpoint:2", "metrics:3", "final_save:1"]}
 
 
@@ -190,6 +203,32 @@ def test_atomic_writes_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
     marker = events.index(("replace", CHECKPOINT_COMPLETE))
     assert ("fsync", "model.safetensors") in events[:marker]
     assert json.loads((folder / CHECKPOINT_COMPLETE).read_text()) == {"global_step": 2}
+
+
+@pytest.mark.parametrize("name, converted", [("tiny-qwen3-moe", True), ("tiny-qwen2-small", False)])
+def test_resume_loads_weights_transformers_converts_on_saving(tmp_path, name, converted):
+    """An MoE model's experts are fused in memory and saved one expert at a time. Trainer's resume loads the file with
+    load_state_dict(strict=False), which finds none of them and keeps the initial experts; the trainers load such a
+    checkpoint through from_pretrained instead (a dense model keeps Trainer's path)."""
+    from safetensors.torch import load_file
+
+    from trl_ext.embedded.models import build_model
+    from trl_ext.trainers.base import load_converted_weights
+
+    trained = build_model(name, seed=0)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    trained.save_pretrained(tmp_path / "checkpoint-2")
+    resumed = build_model(name, seed=0)
+    as_trainer_does = build_model(name, seed=0)
+    as_trainer_does.load_state_dict(load_file(str(tmp_path / "checkpoint-2" / "model.safetensors")), strict=False)
+    stale = [n for n, p in as_trainer_does.state_dict().items() if not torch.equal(p, trained.state_dict()[n])]
+    assert bool(stale) == converted  # e.g. model.layers.0.mlp.experts.gate_up_proj
+
+    assert load_converted_weights(resumed, tmp_path / "checkpoint-2") == converted
+    if converted:
+        assert all(torch.equal(p, trained.state_dict()[n]) for n, p in resumed.state_dict().items())
 
 
 if __name__ == "__main__":
