@@ -54,3 +54,22 @@ def test_a_recorder_transformers_never_ran_is_a_loud_error():
 
     with pytest.raises(RuntimeError, match="recorded 0 sampling steps for 3 generated tokens"):
         SampledTokenLogprobs(8).result(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_building_the_reduced_precision_copy_draws_nothing_from_the_global_generator():
+    """The copy is built at a session's first rollout: an uninterrupted run builds it at step 0, a resumed one at its
+    checkpoint's step, after the RNG state was restored. Its (discarded) random initialisation must not draw from the
+    global generator, or the resumed run samples other tokens from then on."""
+    from types import SimpleNamespace
+
+    from trl_ext_plugins.rollout.rollout_logprobs import RolloutLogprobs, RolloutLogprobsParams
+
+    model = build_model("tiny-qwen2", seed=0)
+    plugin = RolloutLogprobs(RolloutLogprobsParams(dtype="bfloat16"))
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=2))
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    copy = plugin._generation_model(trainer, model)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert copy.dtype == torch.bfloat16
+    assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copy.parameters(), model.parameters(), strict=True))

@@ -158,8 +158,13 @@ class RolloutLogprobs(Plugin):
         if self._copy is None:
             # Built from the config, not deep-copied: trainers patch `forward` on the policy instance (accelerate's
             # output conversion, TRL's fused head) with closures over the original module, so a deep copy's forward
-            # would silently keep running the full-precision policy.
-            self._copy = type(unwrapped)._from_config(unwrapped.config, dtype=dtype).to(unwrapped.device)
+            # would silently keep running the full-precision policy. Its random initialisation (overwritten next
+            # line) must not draw from the global generator: the copy is built at the first rollout of a session, so
+            # a run resumed from a checkpoint would build it at another step than the uninterrupted run and sample
+            # other tokens from then on.
+            devices = [unwrapped.device] if unwrapped.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                self._copy = type(unwrapped)._from_config(unwrapped.config, dtype=dtype).to(unwrapped.device)
             self._copy.load_state_dict(unwrapped.state_dict())
             self._copy.generation_config = copy.deepcopy(unwrapped.generation_config)
             self._copy.eval()
