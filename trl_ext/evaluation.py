@@ -22,6 +22,10 @@ def evaluation_model(trainer, is_main_process: bool):
     from trl.distributed import DistributedBackend
     from trl.models import unwrap_model_for_generation
 
+    if not (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)):
+        # no engine (one process, DDP, a merge stage's stand-in accelerator): the model as it is, main process only
+        yield trainer.accelerator.unwrap_model(trainer.model), is_main_process
+        return
     backend = DistributedBackend(trainer.accelerator)
     sharded = backend.is_zero3 or backend.is_fsdp
     wrapped = getattr(trainer, "model_wrapped", None) or trainer.model
