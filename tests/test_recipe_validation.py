@@ -119,9 +119,12 @@ dataset:
         ("- a\n- list\n", "must be a YAML mapping, got list"),
         ("stages: [unclosed\n", "not valid YAML"),
         ("trainer: sft\n" + "# padding\n" * 120_000, "larger than"),
+        ("[" * 5000 + "]" * 5000, "YAML nested deeper than"),
+        ("trainer: sft\x00\n", "not valid YAML: unacceptable character #x0000"),
+        ("trainer: sft\x07\n", "not valid YAML: unacceptable character #x0007"),
     ],
     ids=["alias-bomb", "deep-nesting", "recursive-alias", "not-utf8", "empty", "comments-only", "list", "bad-yaml",
-         "too-large"],
+         "too-large", "nesting-beyond-the-stack", "nul-byte", "control-character"],
 )
 def test_broken_recipe_files(tmp_path, capsys, content, fragment):
     path = write(tmp_path, content)

@@ -383,7 +383,10 @@ def safe_yaml(text: str, where: str) -> Any:
     PyYAML composes aliases as shared nodes, so composing is linear in the text; the expanded size is then counted on
     the node graph (memoised per node) and a bomb is refused before construction could expand it.
     """
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)  # its reader already refuses control characters (NUL, BEL ...)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{where}: not valid YAML: {' '.join(str(exc).split())}") from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -392,6 +395,9 @@ def safe_yaml(text: str, where: str) -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise RecipeError(f"{where}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        # PyYAML composes recursively: thousands of nested brackets overflow the stack before the depth check runs.
+        raise RecipeError(f"{where}: YAML nested deeper than {MAX_YAML_DEPTH} levels") from None
     finally:
         loader.dispose()
 
