@@ -69,6 +69,49 @@ def test_output_dir_refused_when_the_os_denies_writing(tmp_path, capsys, monkeyp
     assert_refused(code, err, "output_dir:", "is not writable", str(locked))
 
 
+LONG = "a" * 300  # over the 255 bytes a file name may have: os.stat raises ENAMETOOLONG rather than "no such file"
+
+
+@pytest.mark.parametrize("patch, fragment", [
+    ({"output_dir": LONG}, "output_dir: 'aaaa"),
+    ({"output_dir": "runs/a\x00b"}, "output_dir: 'runs/a\\x00b' contains a NUL character"),
+    ({"output_dir": "~no_such_user_here/run"}, "output_dir: '~no_such_user_here/run' starts with '~no_such_user_here', "
+                                               "which names no user"),
+    ({"model": "./" + LONG}, "stages[0].model: './aaaa"),
+    ({"model": "~no_such_user_here/m"}, "stages[0].model: '~no_such_user_here/m' starts with"),
+    ({"dataset": "./" + LONG + ".jsonl"}, "stages[0].dataset.source: './aaaa"),
+    ({"evaluation": {"dataset": LONG, "reward": "exact_match"}}, "stages[0].evaluation.dataset.source: 'aaaa"),
+    ({"model": "run:" + LONG + "/sft"}, "stages[0].model: 'run:aaaa"),
+], ids=["output-dir-long", "output-dir-nul", "output-dir-unknown-user", "model-long", "model-unknown-user",
+        "dataset-long", "evaluation-dataset-long", "run-ref-long"])
+def test_paths_the_os_refuses_are_named_not_crashed_on(tmp_path, capsys, patch, fragment):
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, **patch}))
+    assert_refused(code, err, fragment)
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_output_dir_option_and_recipe_path_the_os_refuses(tmp_path, capsys):
+    code, _, err = cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", "runs/a\x00b")
+    assert_refused(code, err, "output_dir: 'runs/a\\x00b' contains a NUL character")
+    code, _, err = cli(capsys, "validate", str(tmp_path / (LONG + ".yaml")))
+    assert_refused(code, err, "the recipe path is too long")
+
+
+def test_unreadable_recipe_file(tmp_path, capsys, monkeypatch):
+    # Runs as root too: the file system's answer is replaced by a denial.
+    path = write(tmp_path, BASE)
+    real_open = Path.open
+
+    def denied(self, *args, **kwargs):
+        if self == Path(path):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)
+    code, _, err = cli(capsys, "validate", path)
+    assert_refused(code, err, f"{path}: cannot read the recipe file: Permission denied")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Names that become paths
 # --------------------------------------------------------------------------------------------------------------------

@@ -17,13 +17,14 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError,
+                      field_validator, model_serializer, model_validator)
 
 from trl_ext.errors import RecipeError, UnknownPluginError, validation_message
 
@@ -42,6 +43,39 @@ MAX_YAML_DEPTH = 64
 # Names that become folder names under the output directory: no separator, no `..`, nothing hidden (`_embedded` and
 # dot-files belong to the runner), no dots (no clash with run.json or curves.png), at most 64 characters.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+# Linux's NAME_MAX and PATH_MAX, in bytes: longer names make os.stat raise instead of answering "no such file".
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4096
+
+
+def path_text_problem(value: str) -> str | None:
+    """Why the OS refuses ``value`` as a path whatever is on disk (None when it does not): a NUL character, an unknown
+    ``~user``, a name over 255 bytes, text with no file-system encoding. ``Path.exists()`` and friends raise on these
+    (OSError, ValueError, RuntimeError) rather than answer, so they are refused before any path is looked at."""
+    if "\x00" in value:
+        return "contains a NUL character"
+    try:
+        encoded = os.fsencode(str(Path(value).expanduser()))
+    except RuntimeError:
+        return f"starts with {value.split('/')[0]!r}, which names no user of this machine"
+    except UnicodeError:
+        return "cannot be encoded as a file name"
+    if len(encoded) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        return f"is too long (a path takes at most {MAX_NAME_BYTES} bytes a name, {MAX_PATH_BYTES} in all)"
+    return None
+
+
+def check_path_text(value: str) -> str:
+    """Validator for fields that may be a local path (model references, dataset sources, output_dir)."""
+    problem = path_text_problem(value)
+    if problem:
+        raise ValueError(f"{value[:80]!r}{'...' if len(value) > 80 else ''} {problem}")
+    return value
+
+
+PathText = Annotated[str, AfterValidator(check_path_text)]
 
 
 def check_safe_name(value: str) -> str:
@@ -74,11 +108,10 @@ class DatasetSpec(_Strict):
     """Where a split comes from: ``embedded:<name>``, a local file/folder (json, jsonl, csv, parquet, saved dataset)
     or a hub id, and which split; ``params`` go to an embedded builder, ``limit`` keeps the first rows."""
 
-    source: str
+    source: PathText
     split: str = "train"
     params: dict[str, Any] = Field(default_factory=dict)
     limit: int | None = Field(default=None, gt=0)
-
 
 class PeftSpec(BaseModel):
     """A PEFT method and its fields, passed to TRL's ``peft_config`` (``type: lora`` with ``r``, ``lora_alpha`` ...).
@@ -131,15 +164,16 @@ class EvaluationSpec(_Strict):
     def _dataset_shorthand(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
-        return {"source": value} if Path(value).exists() else {"source": value, "split": "test"}
+        local = path_text_problem(value) is None and Path(value).exists()  # DatasetSpec names an unusable path
+        return {"source": value} if local else {"source": value, "split": "test"}
 
 
 class StageSpec(_Strict):
     name: str = "main"
     trainer: str
-    model: str
-    ref_model: str | None = None
-    teacher: str | None = None
+    model: PathText
+    ref_model: PathText | None = None
+    teacher: PathText | None = None
     # Required by every trainer that reads data (checked with the trainer kind, trl_ext/stage.py); a merge stage has none.
     dataset: DatasetSpec | None = None
     eval_dataset: DatasetSpec | None = None
@@ -159,7 +193,6 @@ class StageSpec(_Strict):
     @classmethod
     def _safe_name(cls, value: str) -> str:
         return check_safe_name(value)
-
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _dataset_shorthand(cls, value: Any) -> Any:
@@ -206,7 +239,7 @@ class DistributedSpec(_Strict):
 
 
 class Recipe(_Strict):
-    output_dir: str | None = None
+    output_dir: PathText | None = None
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1)  # numpy's seed range (transformers.set_seed)
     distributed: DistributedSpec | None = None
     # Training checkpoints (weights plus optimizer state, several times the model) are deleted once their stage is
@@ -219,7 +252,6 @@ class Recipe(_Strict):
     # Stage folder -> the ``run:`` reference it was found for (resolve_run_refs), to name what builds a missing one.
     _run_refs_found: dict[str, RunRef] = PrivateAttr(default_factory=dict)
     stages: list[StageSpec] = Field(min_length=1)
-
     @model_validator(mode="before")
     @classmethod
     def _single_stage_shorthand(cls, data: Any) -> Any:
@@ -355,12 +387,18 @@ def resolve_run_refs(recipe: Recipe, recipe_file: Path | None, cwd: Path | None 
 def load_raw(path: str | Path) -> dict[str, Any]:
     """Read a recipe file: UTF-8 YAML holding a mapping, within the size, alias-expansion and nesting bounds."""
     path = Path(path)
+    problem = path_text_problem(str(path))
+    if problem:
+        raise RecipeError(f"{str(path)[:80]!r}: the recipe path {problem}")
     if path.is_dir():
         raise RecipeError(f"{path}: is a directory, not a recipe file")
     if not path.is_file():
         raise RecipeError(f"{path}: no such recipe file")
-    with path.open("rb") as handle:
-        raw = handle.read(MAX_RECIPE_BYTES + 1)
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:  # no read permission, an I/O error
+        raise RecipeError(f"{path}: cannot read the recipe file: {exc.strerror or exc}") from None
     if len(raw) > MAX_RECIPE_BYTES:
         raise RecipeError(f"{path}: larger than {MAX_RECIPE_BYTES} bytes; a recipe this large is not a recipe")
     try:

@@ -135,6 +135,11 @@ def prerequisite_hint(message: str, recipe: Recipe) -> str:
 
 def output_dir_errors(output_dir: Path) -> list[str]:
     """The output directory must be a folder (or creatable as one) this process can write."""
+    from trl_ext.recipe import path_text_problem
+
+    problem = path_text_problem(str(output_dir))
+    if problem:
+        return [f"output_dir: {str(output_dir)[:80]!r} {problem}"]
     if output_dir.exists() and not output_dir.is_dir():
         return [f"output_dir: {str(output_dir)!r} exists and is not a folder"]
     if output_dir.is_symlink() and not output_dir.exists():  # validation passed it; creating it then failed
