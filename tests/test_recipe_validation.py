@@ -307,6 +307,22 @@ def test_faults_that_used_to_need_a_loaded_model(tmp_path, capsys, patch, fragme
     assert not (tmp_path / "out").exists()  # train validated first and wrote nothing
 
 
+@pytest.mark.parametrize("dataset, fragment", [
+    ({"source": "embedded:arithmetic", "params": {"max_operand": 10 ** 9}},
+     "stages[0].dataset.params: max_operand=1000000000 and 1 operation(s) enumerate 1e+18 problems; at most 1,000,000"),
+    ({"source": "embedded:code_tasks", "params": {"max_a": 10 ** 30}},
+     "stages[0].dataset.params: max_a=1000000000000000000000000000000 and max_b=19 enumerate 4e+31 problems"),
+])
+def test_embedded_sizes_that_would_exhaust_memory_are_refused(tmp_path, capsys, dataset, fragment):
+    # Validation builds the split: unbounded, `max_operand: 1e9` listed 1e18 problems until the kernel killed it.
+    import time
+
+    started = time.monotonic()
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "dataset": dataset}))
+    assert_refused(code, err, fragment)
+    assert time.monotonic() - started < 5
+
+
 def test_local_data_files_are_read_whole_before_anything_loads(tmp_path, capsys):
     """A torn JSON line, rows that are not objects and a file without rows failed only while the stage started,
     after run.json and the embedded model were written; a pretty-printed JSON object of columns is valid."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from datasets import Dataset
 
-from trl_ext.embedded.splits import first_problems, seeded_split
+from trl_ext.embedded.splits import check_problem_count, first_problems, seeded_split
 from trl_ext.embedded.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
 
 FORMATS = ("prompt_completion", "prompt", "preference", "unpaired")
@@ -26,6 +26,8 @@ def _problems(split: str, seed: int, max_operand: int, operations: str) -> list[
     unknown = set(operations) - set(_OPERATIONS)
     if unknown or not operations:
         raise ValueError(f"operations must be made of {''.join(_OPERATIONS)!r}, got {operations!r}")
+    check_problem_count(len(operations) * max(max_operand, 0) ** 2, f"max_operand={max_operand} and {len(operations)} "
+                        "operation(s)")
     problems = [(a, op, b) for op in operations for a in range(max_operand) for b in range(max_operand)]
     return seeded_split(problems, split, seed, test_size=min(_MAX_TEST_SIZE, len(problems) // 5))
 

@@ -20,7 +20,7 @@ import random
 
 from datasets import Dataset
 
-from trl_ext.embedded.splits import first_problems, seeded_split
+from trl_ext.embedded.splits import check_problem_count, first_problems, seeded_split
 from trl_ext.embedded.tokenizer import EOS_TOKEN
 
 FORMATS = ("prompt_completion", "prompt")
@@ -29,6 +29,7 @@ TEST_INPUTS = (0, 1, 5)
 
 
 def _problems(split: str, seed: int, max_a: int, max_b: int, test_size: int) -> list[tuple[str, int, int]]:
+    check_problem_count(len(STYLES) * max(max_a, 0) * max(max_b + 1, 0), f"max_a={max_a} and max_b={max_b}")
     problems = [(style, a, b) for style in STYLES for a in range(1, max_a + 1) for b in range(max_b + 1)]
     if not 0 < test_size < len(problems):
         raise ValueError(f"test_size must be between 1 and {len(problems) - 1}, got {test_size}")

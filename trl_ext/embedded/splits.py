@@ -11,6 +11,16 @@ T = TypeVar("T")
 
 # One problem in HASH_TEST_SHARE is held out by hash_split.
 HASH_TEST_SHARE = 5
+# Enumerated tasks list every problem in memory, and validation builds a split before training builds it again: the
+# bound makes a typo (max_operand: 50000 is 2.5e9 problems) an error rather than a process that exhausts memory.
+MAX_ENUMERATED_PROBLEMS = 1_000_000
+
+
+def check_problem_count(count: int, sizes: str) -> None:
+    """ValueError when an enumerated task would hold more than MAX_ENUMERATED_PROBLEMS problems (``sizes`` names the
+    parameters that set ``count``)."""
+    if count > MAX_ENUMERATED_PROBLEMS:
+        raise ValueError(f"{sizes} enumerate {count:.3g} problems; at most {MAX_ENUMERATED_PROBLEMS:,} are built")
 
 
 def seeded_split(problems: list, split: str, seed: int, test_size: int) -> list:
