@@ -287,6 +287,9 @@ def _local_dataset(tmp_path, rows, name="data.jsonl"):
         ({"evaluation": {**EVAL, "dataset": {"source": "embedded:arithmetic", "split": "test",
                                              "params": {"operations": "x"}}}},
          "stages[0].evaluation.dataset.params: operations must be made of"),
+        # "++" listed each problem twice: 30 of the 40 held-out problems of max_operand 10 were also in train.
+        ({"dataset": {"source": "embedded:arithmetic", "params": {"operations": "++", "max_operand": 10}}},
+         "stages[0].dataset.params: operations must name each operation once, got '++'"),
         ({"peft": {"type": "lorax"}}, "stages[0].peft.type: unknown PEFT method 'lorax'"),
         ({"peft": {"type": "lora", "rr": 8}}, "stages[0].peft.rr: not a field of LoraConfig"),
         ({"peft": {"type": "lora", "r": "abc"}}, "stages[0].peft.r: Input should be a valid integer"),

@@ -26,6 +26,9 @@ def _problems(split: str, seed: int, max_operand: int, operations: str) -> list[
     unknown = set(operations) - set(_OPERATIONS)
     if unknown or not operations:
         raise ValueError(f"operations must be made of {''.join(_OPERATIONS)!r}, got {operations!r}")
+    if len(set(operations)) != len(operations):
+        # Each repeat lists every problem again, and the shuffle then puts copies of held-out problems in train.
+        raise ValueError(f"operations must name each operation once, got {operations!r}")
     check_problem_count(len(operations) * max(max_operand, 0) ** 2, f"max_operand={max_operand} and {len(operations)} "
                         "operation(s)")
     problems = [(a, op, b) for op in operations for a in range(max_operand) for b in range(max_operand)]
