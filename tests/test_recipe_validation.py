@@ -287,6 +287,10 @@ def _local_dataset(tmp_path, rows, name="data.jsonl"):
         ({"evaluation": {**EVAL, "dataset": {"source": "embedded:arithmetic", "split": "test",
                                              "params": {"operations": "x"}}}},
          "stages[0].evaluation.dataset.params: operations must be made of"),
+        ({"dataset": {"source": "embedded:arithmetic", "params": {"max_operand": 0}}},
+         "stages[0].dataset.params: the 'train' split these params build holds no rows"),
+        ({"dataset": {"source": "embedded:arithmetic", "params": {"size": 0}}},
+         "stages[0].dataset.params: the 'train' split these params build holds no rows"),
         # "++" listed each problem twice: 30 of the 40 held-out problems of max_operand 10 were also in train.
         ({"dataset": {"source": "embedded:arithmetic", "params": {"operations": "++", "max_operand": 10}}},
          "stages[0].dataset.params: operations must name each operation once, got '++'"),

@@ -359,9 +359,11 @@ def _builder_value_errors(builder, spec, where: str) -> list[str]:
     if builder is None or not spec.params:
         return []
     try:
-        builder(split=spec.split, **spec.params)
+        built = builder(split=spec.split, **spec.params)
     except (ValueError, TypeError) as exc:
         return [f"{where}: {exc}"]
+    if hasattr(built, "__len__") and len(built) == 0:  # the trainer would fail on it only after the model loaded
+        return [f"{where}: the {spec.split!r} split these params build holds no rows"]
     return []
 
 
