@@ -436,6 +436,8 @@ def test_local_dataset_with_the_right_columns_validates(tmp_path, capsys):
          ["stages[0].args.report_to: unknown tracking backend 'tensorbord'. Did you mean: tensorboard?"]),
         ({"args": {"max_steps": 1, "report_to": ["none", "clearml"]}},
          ["stages[0].args.report_to: tracking backend 'clearml' is not installed here: pip install clearml"]),
+        # A number is refused by its type alone (it used to reach the backend check: "TypeError", exit 1).
+        ({"args": {"max_steps": 1, "report_to": 5}}, ["stages[0].args.report_to: ", "(got 5)"]),
     ],
 )
 def test_misspellings_and_missing_backends_get_a_hint(tmp_path, capsys, patch, fragments):

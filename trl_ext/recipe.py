@@ -663,7 +663,7 @@ def check_args_fields(args: dict[str, Any], config_cls: type, where: str) -> lis
             problem = arg_range_problem(key, args[key])
             if problem:
                 errors.append(f"{where}.args.{key}: {problem} (got {args[key]!r})")
-    if "report_to" in args:
+    if "report_to" in args and not any(e.startswith(f"{where}.args.report_to:") for e in errors):  # typed first
         errors += [f"{where}.args.report_to: {problem}" for problem in report_to_problems(args["report_to"])]
     return errors
 
