@@ -43,6 +43,11 @@ def test_grpo_config_maps_field_by_field():
     assert "eval_dataset" not in recipe  # eval_strategy defaults to "no", as in TRL's scripts
 
 
+def test_one_reward_function_name_is_a_list_of_one_not_of_its_letters():
+    recipe = convert("grpo", {"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": "accuracy_reward"})
+    assert recipe["plugins"] == [{"python_reward": {"functions": ["accuracy_reward"]}}]
+
+
 def test_lora_fields_without_use_peft_are_ignored_as_trl_does_and_eval_split_follows_eval_strategy():
     recipe = convert("sft", {"model_name_or_path": "m", "dataset_name": "d", "lora_r": 4, "eval_strategy": "steps",
                              "dataset_test_split": "validation"})
@@ -55,6 +60,11 @@ def test_lora_fields_without_use_peft_are_ignored_as_trl_does_and_eval_split_fol
     ({"model_name_or_path": "m", "dataset_name": "d", "load_in_4bit": True}, "load_in_4bit: bitsandbytes"),
     ({"model_name_or_path": "m", "dataset_name": "d", "trust_remote_code": True}, "trust_remote_code"),
     ({"model_name_or_path": "m", "dataset_name": "d"}, "reward_funcs: the grpo trainer needs"),
+    # Wrong shapes used to crash the conversion (TypeError, exit 1) instead of naming the field.
+    ({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": 5}, "reward_funcs: a list of reward function "
+                                                                          "names, got 5"),
+    ({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["accuracy_reward"], "dtype": "bfloat16",
+      "model_init_kwargs": "x"}, "model_init_kwargs: a mapping of from_pretrained arguments, got 'x'"),
 ])
 def test_what_cannot_be_mapped_is_refused_naming_the_field(config, message):
     with pytest.raises(RecipeError) as info:

@@ -86,9 +86,16 @@ def convert(command: str, config: dict[str, Any], source: str = "<config>") -> d
 
     init_kwargs = {target: config.pop(key) for key, target in _MODEL_INIT_FIELDS.items() if key in config}
     if init_kwargs:
-        config["model_init_kwargs"] = {**config.get("model_init_kwargs", {}), **init_kwargs}
+        given = config.get("model_init_kwargs") or {}
+        if not isinstance(given, dict):
+            raise RecipeError(f"{source}: model_init_kwargs: a mapping of from_pretrained arguments, got {given!r}")
+        config["model_init_kwargs"] = {**given, **init_kwargs}
 
     reward_funcs = config.pop("reward_funcs", None)
+    if isinstance(reward_funcs, str):
+        reward_funcs = [reward_funcs]  # one name, as `trl grpo --reward_funcs NAME` gives
+    if reward_funcs is not None and not isinstance(reward_funcs, list):
+        raise RecipeError(f"{source}: reward_funcs: a list of reward function names, got {reward_funcs!r}")
     if command in _REWARD_TRAINERS:
         if not reward_funcs:
             raise RecipeError(f"{source}: reward_funcs: the {command} trainer needs at least one reward function "
