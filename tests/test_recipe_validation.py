@@ -90,6 +90,17 @@ def test_paths_the_os_refuses_are_named_not_crashed_on(tmp_path, capsys, patch, 
     assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("patch, where", [
+    ({"model": ""}, "stages[0].model"), ({"model": "  "}, "stages[0].model"),
+    ({"dataset": ""}, "stages[0].dataset.source"),
+    ({"evaluation": {"dataset": " ", "reward": "exact_match"}}, "stages[0].evaluation.dataset.source"),
+    ({"output_dir": ""}, "output_dir"),
+])
+def test_blank_names_are_refused(tmp_path, capsys, patch, where):
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, **patch}))
+    assert_refused(code, err, f"{where}: is empty; give a name or a path")
+
+
 def test_output_dir_option_and_recipe_path_the_os_refuses(tmp_path, capsys):
     code, _, err = cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", "runs/a\x00b")
     assert_refused(code, err, "output_dir: 'runs/a\\x00b' contains a NUL character")

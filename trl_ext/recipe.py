@@ -69,6 +69,10 @@ def path_text_problem(value: str) -> str | None:
 
 def check_path_text(value: str) -> str:
     """Validator for fields that may be a local path (model references, dataset sources, output_dir)."""
+    if not value.strip():
+        # Blank is no name: `model: ""` passed validation and failed in from_pretrained, `output_dir: ""` was
+        # silently replaced by the default.
+        raise ValueError("is empty; give a name or a path")
     problem = path_text_problem(value)
     if problem:
         raise ValueError(f"{value[:80]!r}{'...' if len(value) > 80 else ''} {problem}")
