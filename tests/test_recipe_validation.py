@@ -90,6 +90,13 @@ def test_paths_the_os_refuses_are_named_not_crashed_on(tmp_path, capsys, patch, 
     assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("params", [0, "", False, []])
+def test_plugin_shorthand_with_params_that_are_not_a_mapping(tmp_path, capsys, params):
+    # `{sft: 0}` used to be read as `{sft: {}}`: whatever was meant, it was dropped silently.
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "plugins": [{"sft": params}]}))
+    assert_refused(code, err, "stages[0].plugins[0].params: Input should be a valid dictionary")
+
+
 @pytest.mark.parametrize("patch, where", [
     ({"model": ""}, "stages[0].model"), ({"model": "  "}, "stages[0].model"),
     ({"dataset": ""}, "stages[0].dataset.source"),

@@ -216,7 +216,8 @@ class StageSpec(_Strict):
                 normalized.append({"name": item})
             elif isinstance(item, dict) and "name" not in item and len(item) == 1:
                 (name, params), = item.items()
-                normalized.append({"name": name, "params": params or {}})
+                # `{dapo: null}` (or `dapo:` alone) takes the defaults; `{dapo: 0}` is not "no parameters" and is refused.
+                normalized.append({"name": name, "params": {} if params is None else params})
             else:
                 normalized.append(item)
         return normalized
