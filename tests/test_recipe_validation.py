@@ -748,3 +748,57 @@ def test_metrics_file_with_a_torn_line_is_repaired_on_resume(tmp_path):
     state.global_step = 3
     callback.on_log(None, state, TrainerControl(), logs={"loss": 0.25})
     assert json.loads(path.read_text().splitlines()[-1]) == {"step": 3, "loss": 0.25}
+
+
+def _with_entry_points(monkeypatch, *entry_points):
+    """Make the CLI's catalog also load these (fake) third-party entry points."""
+    original_discover, original_load = Catalog.discover, Catalog.load_entry_point
+
+    def discover(cls, autoload=None, block=frozenset()):
+        catalog = original_discover(autoload, block=block)
+        for ep in entry_points:
+            original_load(catalog, ep)
+        return catalog
+
+    monkeypatch.setattr(Catalog, "discover", classmethod(discover))
+
+
+def _raising_plugins():
+    from trl_ext.plugin import Plugin
+
+    class RaisesInCheck(Plugin):
+        name = "raises_in_check"
+
+        @hookimpl
+        def trl_ext_validate_stage(self, stage, plugins):
+            raise KeyError("oops")
+
+    class RaisesInConfigure(Plugin):
+        name = "raises_in_configure"
+
+        @hookimpl
+        def trl_ext_configure_args(self, trainer, args):
+            raise ValueError("cannot configure\nsecond line")
+
+    return RaisesInCheck, RaisesInConfigure
+
+
+def test_a_plugin_hook_raising_during_validation_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    check, configure = _raising_plugins()
+    _with_entry_points(monkeypatch, FakeEntryPoint("check", lambda: check), FakeEntryPoint("conf", lambda: configure))
+    data = {**BASE, "plugins": ["raises_in_check", "raises_in_configure"]}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "stages[0].plugins: plugin 'raises_in_check' (distribution trl-ext-broken) failed in "
+                              "trl_ext_validate_stage: KeyError: 'oops'",
+                   "stages[0].plugins: plugin 'raises_in_configure' (distribution trl-ext-broken) failed in "
+                   "trl_ext_configure_args: ValueError: cannot configure")
+    assert "second line" not in err and len(err.strip().splitlines()) == 2, err
+
+
+def test_plugin_checks_wait_for_typed_args(tmp_path, capsys):
+    # rloo's check reads int(args["num_generations"]): it used to run on the mistyped value and crash (ValueError,
+    # exit 1) instead of the type error being reported.
+    data = {**BASE, "trainer": "grpo", "plugins": ["rloo", "exact_match"], "args": {"num_generations": "xyzzy"}}
+    code, _, err = cli(capsys, "validate", write(tmp_path, data))
+    assert_refused(code, err, "stages[0].args.num_generations: Input should be a valid integer")
+    assert "ValueError" not in err

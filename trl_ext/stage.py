@@ -74,7 +74,8 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
         close = difflib.get_close_matches(stage.trainer, list(TRAINER_KINDS), n=3, cutoff=0.5)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         raise RecipeError(f"{where}.trainer: unknown trainer {stage.trainer!r}.{hint} Available: {', '.join(TRAINER_KINDS)}")
-    errors = check_args_fields(stage.args, kind.config_cls, where)
+    arg_errors = check_args_fields(stage.args, kind.config_cls, where)
+    errors = list(arg_errors)
     if stage.dataset is None and kind.reads_dataset:
         errors.append(f"{where}.dataset: the {stage.trainer} trainer trains on a dataset; give one (e.g. "
                       "`dataset: embedded:arithmetic`, a local file or a hub id)")
@@ -97,7 +98,8 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
     host = PluginHost(plugins)
 
     args = {**default_args(kind), **({"seed": seed} if seed is not None else {}), **stage.args}
-    errors += _merge_plugin_args(host, stage, index, args)
+    failures: list[BaseException] = []  # what plugin hooks raised; the first is the cause --debug shows
+    errors += _merge_plugin_args(host, stage, index, args, catalog, failures)
 
     for j, plugin in enumerate(plugins):
         for module, requirement in plugin.requires:
@@ -111,7 +113,15 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
                 f"{where}.plugins[{j}]: plugin {plugin.name!r} needs {need.value!r}, which this stage does not provide: "
                 f"{NEED_HINTS.get(need, '')}"
             )
-    for messages in host.hook.trl_ext_validate_stage(stage=stage, plugins=plugins):
+    # Plugins' own checks read the stage's args as typed values (int(args["num_generations"]) ...): with an arg of
+    # the wrong type they would fail on it rather than report, so they run once the args are right.
+    for impl in reversed(host.pm.hook.trl_ext_validate_stage.get_hookimpls()) if not arg_errors else []:
+        try:
+            messages = impl.function(stage=stage, plugins=plugins)
+        except Exception as exc:
+            failures.append(exc)
+            errors.append(plugin_hook_failure(impl.plugin, "trl_ext_validate_stage", exc, catalog, where))
+            continue
         errors += [f"{where}: {m}" for m in messages or []]
     errors += kind.check(host, stage, args, where)
     errors += model_ref_errors(stage, where, missing_relative=False)  # those are the runner's (preflight) to judge
@@ -130,8 +140,18 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
         except (ValueError, TypeError) as exc:
             errors.append(f"{where}.args: {kind.config_cls.__name__} rejected the arguments: {exc}")
     if errors:
-        raise RecipeError(errors)
+        raise RecipeError(errors) from (failures[0] if failures else None)
     return ResolvedStage(stage, index, kind, host, args)
+
+
+def plugin_hook_failure(plugin, hook: str, exc: BaseException, catalog, where: str) -> str:
+    """One line for a plugin hook that raised while a stage was checked: the plugin, its distribution, the hook and
+    the error (a bug in that plugin, or a value it did not expect; ``--debug`` shows the traceback)."""
+    info = catalog.plugins.get(plugin.name)
+    origin = f" (distribution {info.distribution})" if info is not None else ""
+    text = str(exc).strip()
+    return (f"{where}.plugins: plugin {plugin.name!r}{origin} failed in {hook}: {type(exc).__name__}: "
+            f"{text.splitlines()[0] if text else ''}")
 
 
 def _infos(stage: StageSpec, catalog):
@@ -144,14 +164,23 @@ def _infos(stage: StageSpec, catalog):
     return out
 
 
-def _merge_plugin_args(host: PluginHost, stage: StageSpec, index: int, args: dict[str, Any]) -> list[str]:
-    """Apply each plugin's ``trl_ext_configure_args`` result; conflicts are errors naming both sides."""
+def _merge_plugin_args(host: PluginHost, stage: StageSpec, index: int, args: dict[str, Any], catalog=None,
+                       failures: list[BaseException] | None = None) -> list[str]:
+    """Apply each plugin's ``trl_ext_configure_args`` result; conflicts are errors naming both sides, and a hook that
+    raises is an error naming its plugin (the exception goes to ``failures``)."""
     errors: list[str] = []
     set_by: dict[str, str] = {}
     impls = reversed(host.pm.hook.trl_ext_configure_args.get_hookimpls())  # recipe order
     for impl in impls:
         plugin = impl.plugin
-        wanted = impl.function(trainer=stage.trainer, args=dict(stage.args)) or {}
+        try:
+            wanted = impl.function(trainer=stage.trainer, args=dict(stage.args)) or {}
+        except Exception as exc:
+            if failures is None:
+                raise
+            failures.append(exc)
+            errors.append(plugin_hook_failure(plugin, "trl_ext_configure_args", exc, catalog, f"stages[{index}]"))
+            continue
         for key, value in wanted.items():
             if key in stage.args and stage.args[key] != value:
                 errors.append(
