@@ -802,3 +802,61 @@ def test_plugin_checks_wait_for_typed_args(tmp_path, capsys):
     code, _, err = cli(capsys, "validate", write(tmp_path, data))
     assert_refused(code, err, "stages[0].args.num_generations: Input should be a valid integer")
     assert "ValueError" not in err
+
+
+def _nonconforming_plugins():
+    """Plugin classes that loaded fine and failed (or misbehaved) only when a recipe selected them."""
+    from pydantic import BaseModel
+
+    from trl_ext.plugin import Plugin
+
+    class DictParams(Plugin):
+        name = "dict_params"
+        Params = dict  # validation crashed: "AttributeError: type object 'dict' has no attribute 'model_validate'"
+
+    class LaxParams(Plugin):
+        name = "lax_params"
+
+        class Params(BaseModel):  # extra keys allowed: a misspelt parameter was silently ignored
+            target: int = 1
+
+    class WrongArgument(Plugin):
+        name = "wrong_argument"
+
+        @hookimpl
+        def trl_ext_validate_stage(self, stage, plugins, bogus):  # pluggy refused it only when a stage was built
+            return []
+
+    class LettersAsTrainers(Plugin):
+        name = "letters_as_trainers"
+        trainers = "grpo"  # read as {'g', 'r', 'p', 'o'}: "works with trainer(s) ['g', 'o', 'p', 'r']"
+
+    class NeedAsText(Plugin):
+        name = "need_as_text"
+        needs = frozenset({"teacher"})  # crashed: "'str' object has no attribute 'value'"
+
+    class NotAPlugin:
+        pass
+
+    return {"dict_params": (DictParams, "Params must be a trl_ext.PluginParams subclass"),
+            "lax_params": (LaxParams, "its Params class must refuse unknown keys"),
+            "wrong_argument": (WrongArgument, "Argument(s) {'bogus'} are declared in the hookimpl but can not be found "
+                                              "in the hookspec"),
+            "letters_as_trainers": (LettersAsTrainers, "trainers must be a collection of str, got 'grpo'"),
+            "need_as_text": (NeedAsText, "needs holds 'teacher', not a Need"),
+            "not_a_plugin": (NotAPlugin, "is neither a trl_ext.Plugin subclass nor a module with registration hooks")}
+
+
+@pytest.mark.parametrize("name", list(_nonconforming_plugins()))
+def test_a_nonconforming_plugin_class_fails_to_load_naming_it(tmp_path, capsys, monkeypatch, name):
+    cls, message = _nonconforming_plugins()[name]
+    catalog = Catalog.discover()
+    catalog.load_entry_point(FakeEntryPoint(name, lambda: cls))
+    (failure,) = [f for f in catalog.failures if f.source == name]
+    assert failure.distribution == "trl-ext-broken" and message in failure.error, failure.error
+    assert name not in catalog.plugins
+
+    _with_entry_points(monkeypatch, FakeEntryPoint(name, lambda: cls))
+    code, _, err = cli(capsys, "validate", write(tmp_path, {**BASE, "plugins": [{name: {"taget": 2}}]}))
+    assert_refused(code, err, f"stages[0].plugins[0]: plugin {name!r} is installed but failed to load", message)
+    assert f"plugin entry point {name!r} of distribution 'trl-ext-broken' failed to load" in err

@@ -27,10 +27,11 @@ from importlib import metadata
 from typing import Any, Callable
 
 import pluggy
+from pydantic import BaseModel
 
 from trl_ext import hookspecs
 from trl_ext.errors import PluginConflictError, UnknownPluginError
-from trl_ext.plugin import SLOT_OF_HOOK, Plugin
+from trl_ext.plugin import SLOT_OF_HOOK, Need, Plugin, Slot
 
 ENTRY_POINT_GROUP = "trl_ext"
 ENV_ALLOW = "TRL_EXT_PLUGINS"
@@ -134,6 +135,10 @@ class Catalog:
             raise TypeError(
                 f"{source}: run hooks ({', '.join(run_hooks)}) belong on a Plugin subclass, not on an entry-point module"
             )
+        if not any(n in REGISTRATION_HOOKS for n in dir(obj)):
+            # Listed nowhere and silently unused otherwise: a typo'd entry point (module:Clas) or an ordinary class.
+            raise TypeError(f"{source}: {obj!r} is neither a trl_ext.Plugin subclass nor a module with registration "
+                            f"hooks ({', '.join(sorted(REGISTRATION_HOOKS))})")
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
         pm.register(obj, name=source)
@@ -190,10 +195,13 @@ class Catalog:
 
 def check_plugin_class(plugin_cls: type[Plugin]) -> None:
     """Conformance rules every plugin class must meet (raised at registration, i.e. load time)."""
+    if not (isinstance(plugin_cls, type) and issubclass(plugin_cls, Plugin)):
+        raise TypeError(f"{plugin_cls!r} is not a subclass of trl_ext.Plugin")
     where = f"{plugin_cls.__module__}.{plugin_cls.__qualname__}"
     name = getattr(plugin_cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"{where}: a Plugin subclass must set a non-empty class attribute `name`")
+    _check_declarations(plugin_cls, name)
     hooks = plugin_cls.implemented_hooks()
     unknown = [h for h in hooks if h not in SPEC_NAMES]
     if unknown:
@@ -207,6 +215,32 @@ def check_plugin_class(plugin_cls: type[Plugin]) -> None:
             raise TypeError(f"plugin {name!r} implements {hook} and must declare the exclusive slot {slot.value!r}")
         if getattr(getattr(plugin_cls, hook), "trl_ext_impl", None) is None:
             raise TypeError(f"plugin {name!r}: method {hook} must be decorated with @trl_ext.hookimpl")
+    # pluggy checks a hook's argument names only when a stage's host registers the plugin, long after loading.
+    probe = pluggy.PluginManager(hookspecs.PROJECT)
+    probe.add_hookspecs(hookspecs)
+    try:
+        probe.register(plugin_cls, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise TypeError(f"plugin {name!r}: {' '.join(str(exc).split())}") from None
+
+
+def _check_declarations(plugin_cls: type[Plugin], name: str) -> None:
+    """The class attributes validation reads: a parameter schema that refuses unknown keys, and collections (never a
+    bare string, whose letters would be read as the items) of trainer names, aliases, slots and needs."""
+    params = plugin_cls.Params
+    if not (isinstance(params, type) and issubclass(params, BaseModel)):
+        raise TypeError(f"plugin {name!r}: Params must be a trl_ext.PluginParams subclass, got {params!r}")
+    if params.model_config.get("extra") != "forbid":
+        raise TypeError(f"plugin {name!r}: its Params class must refuse unknown keys (derive it from "
+                        "trl_ext.PluginParams, or set extra='forbid'), else a misspelt parameter is ignored")
+    expected = {"trainers": str, "aliases": str, "slots": Slot, "needs": Need, "provides": Need}
+    for attribute, item_type in expected.items():
+        value = getattr(plugin_cls, attribute)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, set, frozenset)):
+            raise TypeError(f"plugin {name!r}: {attribute} must be a collection of {item_type.__name__}, got {value!r}")
+        wrong = [item for item in value if not isinstance(item, item_type) or item == ""]
+        if wrong:
+            raise TypeError(f"plugin {name!r}: {attribute} holds {wrong[0]!r}, not a {item_type.__name__}")
 
 
 def _env_names(var: str) -> set[str] | None:
