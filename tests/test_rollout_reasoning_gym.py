@@ -153,3 +153,18 @@ def test_warm_up_mixture_of_the_family_and_arithmetic(trl_ext_catalog, tmp_path)
     assert sum(entry is not None for entry in mixed["rg_entry"]) == 6
     assert sorted(c for p, c in zip(mixed["prompt"], mixed["completion"]) if p.startswith("Calculate")) == \
         sorted(reasoning_gym_dataset("train", **family["params"])["completion"])
+
+
+@pytest.mark.parametrize("config, said", [({"min_digits": 3, "max_digits": 1}, "max_digits must be >= min_digits"),
+                                          ({"operators": [None]}, "unsupported operator: None")])
+def test_a_config_the_family_refuses_is_a_validation_error(tmp_path, capsys, config, said):
+    # reasoning-gym checks configs with assert: validation used to end in "AssertionError", exit 1.
+    from trl_ext.cli import main
+
+    recipe = tmp_path / "rg.yaml"
+    recipe.write_text(json.dumps({"trainer": "sft", "model": "embedded:tiny-qwen2", "dataset": {
+        "source": "embedded:reasoning_gym", "params": {"task": "basic_arithmetic", "size": 8, "config": config}}}))
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "error: invalid recipe: stages[0].dataset.params: reasoning_gym task 'basic_arithmetic': config " in err
+    assert said in err and "AssertionError" not in err

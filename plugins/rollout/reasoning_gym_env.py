@@ -44,8 +44,13 @@ def reasoning_gym_dataset(split: str = "train", task: str = "basic_arithmetic", 
         raise ValueError(f"reasoning_gym tasks have format 'prompt' or 'prompt_completion', got {format!r}")
     if size < 1 or skip < 0:
         raise ValueError(f"size must be at least 1 and skip at least 0, got size={size}, skip={skip}")
-    entries = _split_entries(lambda n: reasoning_gym.create_dataset(task, size=n, seed=seed, **(config or {})),
-                             split, skip + size, task)[skip:]
+    def generate(n: int):
+        try:
+            return reasoning_gym.create_dataset(task, size=n, seed=seed, **(config or {}))
+        except AssertionError as exc:  # reasoning-gym checks its task configs with assert: a bad value, not a bug
+            raise ValueError(f"reasoning_gym task {task!r}: config {config!r} refused: {exc}") from None
+
+    entries = _split_entries(generate, split, skip + size, task)[skip:]
     rows = [{"prompt": entry["question"] + prompt_suffix, "answer": str(entry["answer"]),
              "rg_entry": json.dumps(entry, default=str)} for entry in entries]
     if format == "prompt_completion":  # TRL's SFT appends the tokenizer's eos to the completion
