@@ -272,7 +272,9 @@ def test_bad_max_steps(tmp_path, capsys, value):
     with pytest.raises(SystemExit) as exc:
         main(["train", write(tmp_path, BASE), "--max-steps", value, "--output-dir", str(tmp_path / "out")])
     assert exc.value.code == 2
-    assert "--max-steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: trl-ext train: argument --max-steps: ")
+    assert len(err.strip().splitlines()) == 1, err  # argparse's usage block used to come first
     assert not (tmp_path / "out").exists()
 
 

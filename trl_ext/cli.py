@@ -243,14 +243,21 @@ def _disabled_plugin(text: str) -> str:
     return text[3:]
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage block before a usage error; the CLI's contract is one line per problem."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --debug and -p work before or after the subcommand (SUPPRESS keeps a subparser from resetting the other's value).
-    common = argparse.ArgumentParser(add_help=False)
+    common = _OneLineParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="print the traceback of any error")
     common.add_argument("-p", dest="disabled_plugins", action="append", type=_disabled_plugin, metavar="no:NAME",
                         default=argparse.SUPPRESS, help="do not load this plugin entry point or distribution")
-    parser = argparse.ArgumentParser(prog="trl-ext", parents=[common],
+    parser = _OneLineParser(prog="trl-ext", parents=[common],
                                      description="Post-training recipes on TRL trainers, with plugins.",
                                      epilog="exit codes: 0 ok, 2 usage or validation error, 1 runtime failure")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -315,7 +322,7 @@ def cmd_named_list(ns) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command: user errors print one line per problem and return 2, runtime failures one line and 1."""
-    ns = build_parser().parse_args(argv)  # usage errors: argparse prints one line and exits 2
+    ns = build_parser().parse_args(argv)  # usage errors: one line (_OneLineParser), exit 2
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # re-used verbatim when `distributed:` re-launches
     ns.debug = getattr(ns, "debug", False)
     ns.disabled_plugins = getattr(ns, "disabled_plugins", None) or []
