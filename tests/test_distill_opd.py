@@ -10,7 +10,6 @@ from trl_ext.errors import RecipeError
 from trl_ext.recipe import Recipe, StageSpec, validate_recipe
 from trl_ext.stage import resolve_stage
 from trl_ext_plugins.advantages.math import group_advantages
-from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill.opd import (MultiTeacherOPD, MultiTeacherParams, OPDReward, OPDRewardParams,
                                          StageTeachersParams)
 

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 nothing written. No model is loaded in this file."""
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest

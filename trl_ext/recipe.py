@@ -117,6 +117,7 @@ class DatasetSpec(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
     limit: int | None = Field(default=None, gt=0)
 
+
 class PeftSpec(BaseModel):
     """A PEFT method and its fields, passed to TRL's ``peft_config`` (``type: lora`` with ``r``, ``lora_alpha`` ...).
 
@@ -197,6 +198,7 @@ class StageSpec(_Strict):
     @classmethod
     def _safe_name(cls, value: str) -> str:
         return check_safe_name(value)
+
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _dataset_shorthand(cls, value: Any) -> Any:
@@ -257,6 +259,7 @@ class Recipe(_Strict):
     # Stage folder -> the ``run:`` reference it was found for (resolve_run_refs), to name what builds a missing one.
     _run_refs_found: dict[str, RunRef] = PrivateAttr(default_factory=dict)
     stages: list[StageSpec] = Field(min_length=1)
+
     @model_validator(mode="before")
     @classmethod
     def _single_stage_shorthand(cls, data: Any) -> Any:
