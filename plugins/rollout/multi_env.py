@@ -433,17 +433,24 @@ class MultiEnv(Plugin):
         return {"multi_env_eval": result} if result else None
 
     def evaluate(self, trainer) -> dict[str, dict]:
-        """Greedy held-out score of every environment that has an ``eval_dataset`` (main process; others: {})."""
+        """Greedy held-out score of every environment that has an ``eval_dataset`` (main process; others: {}). Under
+        ZeRO-3 or FSDP every rank evaluates in step, as the stage's own evaluation does
+        (:func:`trl_ext.evaluation.evaluation_model`): the main process cannot run a sharded model alone."""
         from accelerate import PartialState
 
+        from trl_ext.evaluation import evaluation_model
+
+        main = PartialState().is_main_process
+        with evaluation_model(trainer, main) as (model, evaluate_here):
+            out = self._evaluate_environments(trainer, model) if evaluate_here else {}
+        return out if main else {}
+
+    def _evaluate_environments(self, trainer, model) -> dict[str, dict]:
         from trl_ext.evaluation import evaluate_generation, sampled_evaluation
         from trl_ext.host import PluginHost
         from trl_ext.rewards import collect_reward_functions, weighted_reward
 
-        if not PartialState().is_main_process:
-            return {}
         catalog = _catalog()
-        model = trainer.accelerator.unwrap_model(trainer.model)
         tokenizer = trainer.processing_class
         out = {}
         for env in self.params.environments:
