@@ -73,9 +73,12 @@ def test_reward_function_names_must_differ(tmp_path):
 
     for name, value in (("a", 1.0), ("b", 0.0)):
         (tmp_path / f"{name}.py").write_text(f"def reward(completions, **kw):\n    return [{value}] * len(completions)\n")
-    clash = PythonReward(PythonRewardParams(functions=[f"{tmp_path / 'a.py'}:reward", f"{tmp_path / 'b.py'}:reward"]))
+    # within one python_reward, the clash is a parameter error, found at validation before anything loads
+    with pytest.raises(ValueError, match="are both named 'reward'"):
+        PythonRewardParams(functions=[f"{tmp_path / 'a.py'}:reward", f"{tmp_path / 'b.py'}:reward"])
+    clash = [PythonReward(PythonRewardParams(functions=[f"{tmp_path / name}.py:reward"])) for name in ("a", "b")]
     with pytest.raises(ValueError, match="two reward functions are named 'reward'"):
-        collect_reward_functions(PluginHost([clash]), None)
+        collect_reward_functions(PluginHost(clash), None)
     (tmp_path / "c.py").write_text("def math_verify(completions, **kw):\n    return [1.0] * len(completions)\n")
     shadow = PythonReward(PythonRewardParams(functions=[f"{tmp_path / 'c.py'}:math_verify"]))
     with pytest.raises(ValueError, match="'math_verify' .*'math_verify' and 'python_reward'|'python_reward' and 'math"):

@@ -82,11 +82,17 @@ class PythonRewardParams(PluginParams):
     @field_validator("functions")
     @classmethod
     def _resolvable(cls, value: list[str]) -> list[str]:
+        named: dict[str, str] = {}
         for spec in value:
             try:
-                load_reward_function(spec)  # import errors surface at validation, before any model loads
+                function = load_reward_function(spec)  # import errors surface at validation, before any model loads
             except ValueError as exc:
                 raise ValueError(f"{spec!r}: {exc}") from None
+            name = getattr(function, "__name__", spec)
+            if name in named:  # TRL keys each reward's column and metrics by the function's name
+                raise ValueError(f"{named[name]!r} and {spec!r} are both named {name!r}; reward columns and metrics "
+                                 "are keyed by name: rename one function")
+            named[name] = spec
         return value
 
     @field_validator("weights")
