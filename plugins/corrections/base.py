@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from trl_ext import Need, Plugin, PluginParams, hookimpl, ops
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.corrections import math
-from trl_ext_plugins.losses.base import off_policy_reason
+from trl_ext_plugins.losses.base import recipe_off_policy_reason, trainer_off_policy_reason
 
 
 class CorrectionParams(PluginParams):
@@ -86,10 +86,7 @@ class RolloutCorrection(Plugin):
     def trl_ext_validate_stage(self, stage, plugins):
         if getattr(self.params, "support", "full") != "sampled":
             return None
-        args = stage.args
-        accumulation = args.get("gradient_accumulation_steps", 1)
-        reason = off_policy_reason(args.get("num_iterations", 1), args.get("steps_per_generation") or accumulation,
-                                   accumulation)
+        reason = recipe_off_policy_reason(stage.args)
         return [self._sampled_support_refusal(reason)] if reason else None
 
     @hookimpl
@@ -97,8 +94,7 @@ class RolloutCorrection(Plugin):
         # generation_batch_size sets steps_per_generation through the process count, known only now
         if getattr(self.params, "support", "full") != "sampled":
             return
-        args = trainer.args
-        reason = off_policy_reason(args.num_iterations, args.steps_per_generation, args.gradient_accumulation_steps)
+        reason = trainer_off_policy_reason(trainer.args)
         if reason:
             raise ValueError(self._sampled_support_refusal(reason))
 

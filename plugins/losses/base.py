@@ -49,3 +49,16 @@ def off_policy_reason(num_iterations: int, steps_per_generation: int, accumulati
         return (f"args.steps_per_generation {steps_per_generation} > gradient_accumulation_steps {accumulation} (set "
                 f"directly or through generation_batch_size) trains one generation batch over several optimizer steps")
     return None
+
+
+def recipe_off_policy_reason(args: dict[str, Any]) -> str | None:
+    """:func:`off_policy_reason` of a recipe's ``args`` (TRL's defaults where unset: one generation batch per
+    optimizer step)."""
+    accumulation = args.get("gradient_accumulation_steps", 1)
+    return off_policy_reason(args.get("num_iterations", 1), args.get("steps_per_generation") or accumulation,
+                             accumulation)
+
+
+def trainer_off_policy_reason(args) -> str | None:
+    """:func:`off_policy_reason` of a built trainer's arguments, where ``generation_batch_size`` is resolved."""
+    return off_policy_reason(args.num_iterations, args.steps_per_generation, args.gradient_accumulation_steps)

@@ -8,7 +8,8 @@ from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
 from trl_ext_plugins.losses import math
-from trl_ext_plugins.losses.base import ObjectivePlugin, off_policy_reason
+from trl_ext_plugins.losses.base import (ObjectivePlugin, recipe_off_policy_reason,
+                                         trainer_off_policy_reason)
 
 
 class REINFORCEParams(PluginParams):
@@ -38,17 +39,13 @@ class REINFORCE(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
-        args = stage.args
-        accumulation = args.get("gradient_accumulation_steps", 1)
-        reason = off_policy_reason(args.get("num_iterations", 1), args.get("steps_per_generation") or accumulation,
-                                   accumulation)
+        reason = recipe_off_policy_reason(stage.args)
         return [self._refusal(reason)] if reason else None
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
         # generation_batch_size sets steps_per_generation through the process count, known only now
-        args = trainer.args
-        reason = off_policy_reason(args.num_iterations, args.steps_per_generation, args.gradient_accumulation_steps)
+        reason = trainer_off_policy_reason(trainer.args)
         if reason:
             raise ValueError(self._refusal(reason))
 
