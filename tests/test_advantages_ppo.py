@@ -14,8 +14,7 @@ import torch
 from trl_ext import hookimpl
 from trl_ext.batches import LossInputs
 from trl_ext.recipe import parse_recipe
-from trl_ext.runner import run_recipe
-from trl_ext.testing import fresh_catalog
+from trl_ext.testing import Interrupted, fresh_catalog, straight_and_resumed
 from trl_ext_plugins.advantages import math as adv
 from trl_ext_plugins.advantages.ppo import PPO, PPOParams
 from trl_ext_plugins.advantages.vapo import POSITIVE, POSITIVE_TOKENS, VAPO, VAPOParams
@@ -334,10 +333,6 @@ def test_ppo_end_to_end_value_loss_falls_and_explained_variance_rises(tiny_train
     assert all(k in rows[0] for k in ("ppo/returns_mean", "ppo/advantages_mean", "ppo/values_mean"))
 
 
-class Interrupt(Exception):
-    pass
-
-
 def _ppo_recipe():
     return parse_recipe({
         "seed": 0, "keep_checkpoints": True,  # the test reads checkpoint-2's critic after the run completed
@@ -362,15 +357,10 @@ def test_interrupted_ppo_resumes_critic_and_its_optimizer(tmp_path):
     class StopAfterCheckpoint(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == 2:  # checkpoint-2 (with critic.pt) is complete
-                raise Interrupt()
+                raise Interrupted()
 
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_recipe(_ppo_recipe(), straight, catalog, echo=lambda _m: None)
-    with pytest.raises(Interrupt):
-        run_recipe(_ppo_recipe(), resumed, catalog, extra_callbacks=[StopAfterCheckpoint()], echo=lambda _m: None)
+    straight, resumed, messages = straight_and_resumed(_ppo_recipe, catalog, tmp_path, StopAfterCheckpoint())
     assert (resumed / "ppo" / "checkpoints" / "checkpoint-2" / "critic.pt").exists()
-    messages = []
-    run_recipe(_ppo_recipe(), resumed, catalog, echo=messages.append)
     assert any("resuming from" in m and "checkpoint-2" in m for m in messages)
 
     a = torch.load(straight / "ppo" / "critic.pt", weights_only=True)
@@ -420,14 +410,9 @@ def test_ppo_killed_after_its_last_step_saves_the_trained_critic(tmp_path):
 
     class KilledAfterTraining(TrainerCallback):
         def on_train_end(self, args, state, control, **kwargs):  # checkpoint-4 is complete by now
-            raise Interrupt()
+            raise Interrupted()
 
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_recipe(_ppo_recipe(), straight, catalog, echo=lambda _m: None)
-    with pytest.raises(Interrupt):
-        run_recipe(_ppo_recipe(), resumed, catalog, extra_callbacks=[KilledAfterTraining()], echo=lambda _m: None)
-    messages = []
-    run_recipe(_ppo_recipe(), resumed, catalog, echo=messages.append)
+    straight, resumed, messages = straight_and_resumed(_ppo_recipe, catalog, tmp_path, KilledAfterTraining())
     assert any("is the last step; finishing the stage" in m for m in messages)
 
     a = torch.load(straight / "ppo" / "critic.pt", weights_only=True)

@@ -291,7 +291,7 @@ def test_iterative_dpo_killed_in_a_later_round_reruns_every_round(tmp_path):
 
     from trl_ext.catalog import Catalog
     from trl_ext.recipe import parse_recipe
-    from trl_ext.runner import run_recipe
+    from trl_ext.testing import Interrupted, straight_and_resumed
 
     (tmp_path / "varied.py").write_text("def reward(completions, **kwargs):\n"
                                         "    return [float(sum(map(ord, str(c))) % 7) for c in completions]\n")
@@ -308,9 +308,6 @@ def test_iterative_dpo_killed_in_a_later_round_reruns_every_round(tmp_path):
                      "logging_steps": 1, "max_length": 32},
         })
 
-    class Interrupt(Exception):
-        pass
-
     class KilledInRoundOne(TrainerCallback):
         rounds_begun = 0
 
@@ -319,15 +316,10 @@ def test_iterative_dpo_killed_in_a_later_round_reruns_every_round(tmp_path):
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.rounds_begun == 2:
-                raise Interrupt()
+                raise Interrupted()
 
     catalog = Catalog.discover()
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_recipe(recipe(), straight, catalog, echo=lambda _m: None)
-    with pytest.raises(Interrupt):
-        run_recipe(recipe(), resumed, catalog, extra_callbacks=[KilledInRoundOne()], echo=lambda _m: None)
-    messages = []
-    run_recipe(recipe(), resumed, catalog, echo=messages.append)
+    straight, resumed, messages = straight_and_resumed(recipe, catalog, tmp_path, KilledInRoundOne())
     assert not any("finishing the stage" in m or "resuming from" in m for m in messages), messages
     a, b = load_file(str(straight / "dpo" / "model.safetensors")), load_file(str(resumed / "dpo" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)

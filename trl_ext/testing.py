@@ -13,12 +13,14 @@ Fixtures:
 Helpers: :func:`check_plugin_conformance` asserts a plugin class meets the host's rules (documented, named, schema
 instantiable with defaults, hooks all specified, slots declared for selection hooks); :func:`assert_conforms` checks a
 loss objective, token correction, aggregation or advantage plugin against a reference written from its formula, in
-float64, value and gradient, through the real loss pipeline.
+float64, value and gradient, through the real loss pipeline; :func:`straight_and_resumed` runs a recipe uninterrupted
+and interrupted-then-rerun, to compare a resumed run with one that never stopped.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -240,3 +242,23 @@ def assert_conforms(plugin, reference_fn, cases, *, rtol: float = CONFORMANCE_RT
         expected_grad = torch.zeros_like(theta) if expected_grad is None else torch.as_tensor(expected_grad)
         _close(loss, expected.detach(), rtol, "loss", plugin, index)
         _close(grad, expected_grad, rtol, "gradient", plugin, index)
+
+
+class Interrupted(Exception):
+    """Raised by a test's callback to stop a run part-way, as a crash would (:func:`straight_and_resumed`)."""
+
+
+def straight_and_resumed(recipe: Callable[[], Any], catalog: Catalog, folder: Path,
+                         interrupt) -> tuple[Path, Path, list[str]]:
+    """Run ``recipe()`` to the end in ``folder/straight``; in ``folder/resumed`` run it with the trainer callback
+    ``interrupt`` (which raises :class:`Interrupted`), then again without it, as a user reruns a killed command.
+    Returns both run folders and the messages of the rerun (``resuming from ...``, ``finishing the stage ...``)."""
+    from trl_ext.runner import run_recipe
+
+    straight, resumed = folder / "straight", folder / "resumed"
+    run_recipe(recipe(), straight, catalog, echo=lambda _m: None)
+    with pytest.raises(Interrupted):
+        run_recipe(recipe(), resumed, catalog, extra_callbacks=[interrupt], echo=lambda _m: None)
+    messages: list[str] = []
+    run_recipe(recipe(), resumed, catalog, echo=messages.append)
+    return straight, resumed, messages
