@@ -323,6 +323,8 @@ def _local_dataset(tmp_path, rows, name="data.jsonl"):
         ({"seed": True}, "seed: expected a number, got True"),  # YAML `true` is not 1
         ({"args": {"max_steps": True}}, "stages[0].args.max_steps: Input should be a valid integer (got True)"),
         ({"dataset": "data/nope.jsonl"}, "stages[0].dataset.source: no such file or folder 'data/nope.jsonl'"),
+        ({"dataset": "s3://bucket/train"}, "stages[0].dataset.source: 's3://bucket/train' is neither a local file or "
+                                           "folder nor a hub id"),
         ({"model": "./no/such/model"}, "stages[0].model: no such model folder './no/such/model'"),
         ({"model": "/no/such/model"}, "stages[0].model: no such model folder"),
         ({"model": "runs/never/made"}, "stages[0].model: no such model folder 'runs/never/made'"),

@@ -319,6 +319,11 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
         if looks_local and not path.exists():
             errors.append(f"{where}.{field_name}.source: no such file or folder {spec.source!r}")
             continue
+        if not path.exists() and not _HUB_ID.fullmatch(spec.source):
+            # datasets.load_dataset reads it as a hub id and fails only after the model loaded ("s3://...", "a b")
+            errors.append(f"{where}.{field_name}.source: {spec.source!r} is neither a local file or folder nor a hub "
+                          "id (name or owner/name)")
+            continue
         field = f"{where}.{field_name}"
         local_problems = local_split_errors(path, spec, field) or local_rows_errors(path, spec, field)
         if local_problems:
