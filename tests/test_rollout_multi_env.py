@@ -312,3 +312,31 @@ def test_bad_mixture_is_refused_at_validation_naming_the_part(catalog, parts, me
     with pytest.raises(RecipeError) as err:
         resolve_stage(stage, 0, catalog)
     assert "stages[0].dataset.params: " in str(err.value) and message in str(err.value)
+
+
+def test_a_reward_reading_a_column_only_other_environments_have_is_an_error(catalog, tmp_path):
+    """The mixture fills the columns of other environments with None: exact_match read the missing ``answer`` of the
+    ``qa`` environment (gold in ``solution``) as "None" and scored every right answer 0.0, silently."""
+    import json
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n" for i in range(8)))
+    envs = [{"name": "add", "dataset": arithmetic("+", 8), "rewards": ["exact_match"]},
+            {"name": "qa", "dataset": str(path), "rewards": [{"exact_match": {"answer_column": "solution"}}]},
+            {"name": "bad", "dataset": str(path), "rewards": ["exact_match"]}]
+    stage = _stage(envs, per_device_train_batch_size=12, num_generations=4)
+    plugin = MultiEnv(MultiEnv.Params(environments=envs))
+    from trl_ext.runner import load_split
+
+    mixed = plugin.trl_ext_prepare_dataset(dataset=load_split(stage.dataset, catalog, stage, "train", None),
+                                           split="train", stage=stage)
+    functions = {f.name: f.fn for f in plugin.trl_ext_reward_functions(stage=stage)}
+    rows = mixed[:3]
+    gold = [s if e != "add" else a for e, s, a in zip(rows["env"], rows["solution"], rows["answer"], strict=True)]
+    columns = {k: v for k, v in rows.items() if k != "prompt"}
+    assert sorted(rows["env"]) == ["add", "bad", "qa"]
+    assert functions["add/exact_match"](prompts=rows["prompt"], completions=gold, **columns).count(1.0) == 1
+    assert functions["qa/exact_match"](prompts=rows["prompt"], completions=gold, **columns).count(1.0) == 1
+    with pytest.raises(ValueError, match="environment 'bad' reads the column 'answer'"):
+        functions["bad/exact_match"](prompts=rows["prompt"], completions=gold, **columns)
+    assert plugin.verifier_errors == {"add": 0, "qa": 0, "bad": 0}

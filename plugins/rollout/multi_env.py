@@ -140,7 +140,10 @@ class MultiEnv(Plugin):
       stays its weight in the sum;
     * a verifier that raises is retried row by row; rows that still raise get ``None`` (no reward), are masked out of
       the loss through ``trl_ext_filter_groups`` and counted in ``multi_env/<env>/verifier_errors`` (rows of every
-      rank since this process started: a resumed run counts from 0 again); the rest of the batch trains normally;
+      rank since this process started: a resumed run counts from 0 again); the rest of the batch trains normally.
+      A reward sees only its environment's own columns (the mixture fills other environments' columns with None),
+      so one that reads a column its environment's dataset lacks stops the run with an error naming both, rather
+      than scoring None as the gold value;
     * per generation batch it logs ``multi_env/<env>/share`` and ``multi_env/<env>/reward`` (mean total reward of the
       environment's scored rows, all ranks); held-out evaluation (greedy, each environment with its own rewards, main
       process; with ``eval_mean_at_k`` also the mean over k sampled answers per prompt of each text environment, drawn
@@ -199,6 +202,8 @@ class MultiEnv(Plugin):
         self.verifier_errors: dict[str, int] = {e.name: 0 for e in self.params.environments}
         self.before: dict[str, dict] = {}
         self.mixture_counts: list[int] | None = None
+        # per environment: the mixture's columns its own dataset lacks (None-filled in its rows), hidden from its rewards
+        self.foreign_columns: dict[str, frozenset[str]] = {}
 
     # -- validation -------------------------------------------------------------------------------------------------
 
@@ -302,6 +307,8 @@ class MultiEnv(Plugin):
         order = interleave_environments([len(d) for d in sources], weights, batch_prompts, num_batches,
                                         self.params.seed)
         columns = sorted({c for d in sources for c in d.column_names} - {ENV_COLUMN})
+        self.foreign_columns = {env.name: frozenset(columns) - set(d.column_names)
+                                for env, d in zip(self.params.environments, sources, strict=True)}
         rows = []
         for env_index, row_index in order:
             row = sources[env_index][row_index]
@@ -361,14 +368,24 @@ class MultiEnv(Plugin):
             if not mine:
                 return out
 
+            # A column only other environments have is not this environment's: its rows hold None there, which a
+            # reward would score as a gold value (exact_match: str(None), 0 for every row, silently).
+            foreign = self.foreign_columns.get(env_name, frozenset())
+
             def subset(indices):
-                sub = {k: ([v[i] for i in indices] if _per_row(v, n) else v) for k, v in kwargs.items()}
+                sub = {k: ([v[i] for i in indices] if _per_row(v, n) else v) for k, v in kwargs.items()
+                       if k not in foreign}
                 return {**sub, "completions": [completions[i] for i in indices]}
 
             try:
                 values = await_rewards(fn(**subset(mine)))  # an async verifier's coroutine, awaited
                 pairs = list(zip(mine, values, strict=True))
             except Exception as exc:
+                missing = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
+                if isinstance(missing, str) and missing in foreign:  # a recipe error, not a flaky verifier
+                    raise ValueError(f"plugin {self.name!r}: a reward of environment {env_name!r} reads the column "
+                                     f"{missing!r}, which only other environments' datasets have; add it to its "
+                                     f"dataset or point the reward at a column it has") from None
                 logger.warning("multi_env: verifier of environment %r raised %r; scoring its rows one by one",
                                env_name, exc)
                 pairs = []
