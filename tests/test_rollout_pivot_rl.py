@@ -81,6 +81,33 @@ def test_trajectories_without_assistant_turns_are_refused_at_validation(trl_ext_
         resolve_stage(stage, 0, trl_ext_catalog)
 
 
+def test_trajectories_with_structured_tool_calls_or_unknown_roles_are_refused_naming_the_message(
+        trl_ext_catalog, register_plugin, tmp_path):
+    """An assistant turn in the structured tool-call form (content None beside tool_calls) rendered as ``A:None``
+    and became the expert action None: validation passed, and the functional match raised TypeError only after the
+    profile had loaded the model and sampled. An unknown role raised a bare KeyError out of validation."""
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    structured = [{"role": "user", "content": "(1+2)*3?"}, call, {"role": "tool", "content": "3"},
+                  {"role": "assistant", "content": "mul(3,3)"}]
+    with pytest.raises(ValueError, match=r"trajectory 1 \('messages'\) message 1 \(assistant\) has no text content "
+                                         r"\(structured tool_calls"):
+        expert_turn_rows([tool_trajectory(1, "add", 2, "mul", 3), structured])
+    with pytest.raises(ValueError, match=r"trajectory 0 \('messages'\) message 0: role 'developer' is not one of"):
+        expert_turn_rows([[{"role": "developer", "content": "be brief"}, *structured[:1],
+                           {"role": "assistant", "content": "add(1,2)"}]])
+    with pytest.raises(ValueError, match="trajectory 0 .* is a str, not a list of messages"):
+        expert_turn_rows(["U:1+2?\nA:add(1,2)"])
+
+    register_plugin(PivotRL)
+    path = tmp_path / "expert.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (tool_trajectory(1, "add", 2, "mul", 3),
+                                                                          structured)))
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": str(path)}, plugins=["pivot_rl"])
+    with pytest.raises(RecipeError, match=r"trajectory 1 \('messages'\) message 1 \(assistant\) has no text"):
+        resolve_stage(stage, 0, trl_ext_catalog)
+
+
 def test_pivot_split_from_hand_built_and_sampled_profiles(tiny_model_dir, trl_ext_catalog, tmp_path):
     token = _CURRENT_RUN.set(RunContext(recipe=None, output_dir=tmp_path / "run", catalog=trl_ext_catalog))
     try:

@@ -10,7 +10,7 @@ from pydantic import Field
 from trl_ext import Plugin, PluginParams, hookimpl
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rollout.control_math import is_pivot
-from trl_ext_plugins.rollout.tool_task import assistant_turns, functional_match
+from trl_ext_plugins.rollout.tool_task import ROLE_TAGS, assistant_turns, functional_match
 
 
 class PivotRLParams(PluginParams):
@@ -30,15 +30,34 @@ class PivotRLParams(PluginParams):
 
 def expert_turn_rows(trajectories: list[list[dict]], column: str = "messages") -> list[dict]:
     """One row per assistant turn of every trajectory: ``prompt`` (rendered state), ``expert_action``, and where it
-    came from. Raises naming the first trajectory without an assistant turn."""
+    came from. Raises naming the first trajectory without an assistant turn or with a message that cannot be rendered
+    as text."""
     rows = []
     for index, messages in enumerate(trajectories):
+        _check_messages(messages or [], index, column)
         turns = assistant_turns(messages or [])
         if not turns:
             raise ValueError(f"trajectory {index} ({column!r}) has no assistant turn")
         rows += [{"prompt": state, "expert_action": action, "trajectory": index, "turn": t}
                  for t, (state, action) in enumerate(turns)]
     return rows
+
+
+def _check_messages(messages, index: int, column: str) -> None:
+    """Every message a ``{role, content}`` dict with a known role and text content. A structured tool call (content
+    None beside ``tool_calls``) would otherwise render as ``A:None`` and become the expert action ``None``, on which
+    the functional match fails only once the profile has sampled."""
+    if not isinstance(messages, list):
+        raise ValueError(f"trajectory {index} ({column!r}) is a {type(messages).__name__}, not a list of messages")
+    for position, message in enumerate(messages):
+        where = f"trajectory {index} ({column!r}) message {position}"
+        if not isinstance(message, dict) or message.get("role") not in ROLE_TAGS:
+            role = message.get("role") if isinstance(message, dict) else None
+            raise ValueError(f"{where}: role {role!r} is not one of {sorted(ROLE_TAGS)}")
+        if not isinstance(message.get("content"), str):
+            hint = (" (structured tool_calls are not read: write the call as text, e.g. add(12,34))"
+                    if message.get("tool_calls") else "")
+            raise ValueError(f"{where} ({message['role']}) has no text content{hint}")
 
 
 class PivotRL(Plugin):
