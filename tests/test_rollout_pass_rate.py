@@ -165,3 +165,18 @@ def test_zero_variance_groups_fall_after_filtering(tiny_model_dir, run_with_digi
     before, after = zero_variance_fraction(groups(data)), zero_variance_fraction(groups(kept))
     print(f"zero-variance group fraction: unfiltered {before:.3f}, filtered {after:.3f}")
     assert after < before
+
+
+def test_fewer_kept_prompts_than_one_generation_batch_is_an_error(monkeypatch):
+    """TRL's sampler drops an incomplete generation batch: 1 kept prompt with 2 prompts per generation batch
+    (8 completions / 4 generations) trained zero steps and ended the stage as if it had trained."""
+    data = arithmetic_dataset("train", format="prompt", size=4)
+    stage = StageSpec(trainer="grpo", model="m", dataset={"source": "embedded:arithmetic"},
+                      args={"per_device_train_batch_size": 8, "num_generations": 4})
+    plugin = PassRateFilter(PassRateFilter.Params())
+    monkeypatch.setattr(plugin, "estimate", lambda dataset, model: [1.0, 0.5, 0.0, 1.0])
+    with pytest.raises(ValueError, match="only 1 of 4 prompts .* fewer than the 2 prompts of one generation batch"):
+        plugin.trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
+    monkeypatch.setattr(plugin, "estimate", lambda dataset, model: [1.0, 0.5, 0.0, 0.25])
+    kept = plugin.trl_ext_prepare_dataset(dataset=data, split="train", stage=stage)
+    assert kept["pass_rate"] == [0.5, 0.25] and kept["prompt"] == [data["prompt"][1], data["prompt"][3]]

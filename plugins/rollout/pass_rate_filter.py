@@ -67,7 +67,8 @@ class PassRateFilter(Plugin):
     modification times of a local folder, or the hub id), the prompts and every setting that changes the estimate;
     the main process computes and writes atomically (temp file + rename), the others wait and read. With an ordered
     curriculum the plugin sets ``args.shuffle_dataset: false`` (TRL shuffles otherwise). The kept rates are added as a
-    ``pass_rate`` column.
+    ``pass_rate`` column. Fewer kept prompts than one generation batch is an error naming the counts (TRL's sampler
+    drops an incomplete batch, so the stage would train zero steps).
 
     Re-estimation (``reestimate_every: N``, default null = off). The train dataset keeps every row (no ``pass_rate``
     column, whose values would go stale) and the plugin supplies the train sampler (``trl_ext_train_sampler``, slot
@@ -131,6 +132,15 @@ class PassRateFilter(Plugin):
         if self.params.reestimate_every is not None:
             self.train_rows = dataset  # every row stays: the sampler selects, and re-estimation can bring rows back
             return None
+        from accelerate import PartialState
+
+        from trl_ext_plugins.rollout.multi_env import generation_batch_prompts
+
+        needed = generation_batch_prompts(stage.args, PartialState().num_processes, stage.trainer)
+        if len(keep) < needed:  # TRL's sampler drops the incomplete batch: the stage would train zero steps, silently
+            raise ValueError(f"plugin {self.name!r}: only {len(keep)} of {len(rates)} prompts have a pass rate within "
+                             f"the bounds, fewer than the {needed} prompts of one generation batch; widen the bounds, "
+                             f"raise k, or shrink the batch")
         return dataset.select(keep).add_column("pass_rate", [rates[i] for i in keep])
 
     # -- re-estimation during training (reestimate_every) -------------------------------------------------------------
