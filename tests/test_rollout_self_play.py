@@ -470,3 +470,21 @@ def test_chain_answers_are_read_after_the_last_equals_sign():
     found = [(m.group() if (m := pattern.search(t)) else "") for t in
              ("12+5=17,17+7=24", "24", "12+5=17,17+", "12+5=17,17+7=24\n", "12+5=17,17+7=", "7+5=12,12+12=24x")]
     assert found == ["24", "24", "", "24", "", ""]
+
+
+def test_fewer_solver_rows_than_one_generation_batch_is_an_error(monkeypatch):
+    """TRL's sampler drops an incomplete generation batch: 1 problem in the band with 2 prompts per generation batch
+    (8 completions / 4 generations) trained the solver zero steps and ended the stage as if it had trained."""
+    from datasets import Dataset
+
+    stage = StageSpec(trainer="grpo", model="m", dataset={"source": "embedded:arithmetic_proposals"},
+                      args={"per_device_train_batch_size": 8, "num_generations": 4})
+    plugin = SelfPlay(SelfPlay.Params(role="solver", partner="unused"))
+    rows = [{"prompt": "1+2=", "answer": "3", "p_hat": 0.5}, {"prompt": "2+2=", "answer": "4", "p_hat": 0.6}]
+    record = {"self_play/valid": 2}
+    monkeypatch.setattr(plugin, "_solver_rows", lambda dataset, stage: (rows[:1], record))
+    prompts = Dataset.from_list([{"prompt": "1+"}])
+    with pytest.raises(ValueError, match="only 1 problems lie in the band, fewer than the 2 prompts"):
+        plugin.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)
+    monkeypatch.setattr(plugin, "_solver_rows", lambda dataset, stage: (rows, record))
+    assert plugin.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)["prompt"] == ["1+2=", "2+2="]

@@ -173,7 +173,8 @@ class SelfPlay(Plugin):
     (one per dataset prompt, cycling), well-formed ones are answered m times by the stage's own (starting) solver, the
     label becomes the ``answer`` column (a binary reward such as ``exact_match`` then scores against it) and only
     problems with ``|p_hat - 1/2| <= delta`` (default 0.25, the paper's; ``band: [0.3, 0.8]`` gives the released
-    script's bounds) are kept; ``p_hat`` is added as a column. A proposed problem that is a prompt of the stage's
+    script's bounds) are kept; ``p_hat`` is added as a column (fewer kept problems than one generation batch is an
+    error: TRL's sampler would drop the incomplete batch and train zero steps). A proposed problem that is a prompt of the stage's
     held-out evaluation (whitespace aside) is dropped before it is answered (``exclude_held_out``, on by default): the
     proposer may write any problem, held-out ones included, and a solver trained on them would inflate its held-out
     score, with verified labels above all. How the rows were made (``self_play/generated``, ``valid``,
@@ -354,6 +355,15 @@ class SelfPlay(Plugin):
             low, high = self.params.solver_band()
             raise ValueError(f"plugin {self.name!r}: none of {record['self_play/valid']} well-formed problems has "
                              f"{low:g} <= p_hat <= {high:g}; widen delta or band, or sample more")
+        from accelerate import PartialState
+
+        from trl_ext_plugins.rollout.multi_env import generation_batch_prompts
+
+        needed = generation_batch_prompts(stage.args, PartialState().num_processes, stage.trainer)
+        if len(rows) < needed:  # TRL's sampler drops the incomplete batch: the stage would train zero steps, silently
+            raise ValueError(f"plugin {self.name!r}: only {len(rows)} problems lie in the band, fewer than the {needed} "
+                             f"prompts of one generation batch; raise num_questions, widen delta or band, or shrink "
+                             f"the batch")
         from datasets import Dataset
 
         return Dataset.from_list(rows)
