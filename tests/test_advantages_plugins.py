@@ -209,3 +209,38 @@ def test_recipes_validate(recipe, capsys):
     path = Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.yaml"
     assert main(["validate", str(path)]) == 0
     assert recipe in capsys.readouterr().out
+
+
+# -- TRL options the loss pipeline lacks are refused when a KL-in-the-reward plugin routes the loss there ------------
+
+
+@pytest.mark.parametrize("arg", [{"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01}, {"delta": 2.0},
+                                 {"off_policy_mask_threshold": 0.5}, {"loss_type": "vespo"}])
+def test_reward_kl_plugins_refuse_trl_options_the_loss_pipeline_would_ignore(catalog, register_plugin, arg):
+    """Dropping the loss KL (kl_coef > 0 with args.beta 0 or kl_in_loss false) makes the trainer run trl-ext's loss
+    pipeline, which has no entropy mask, entropy bonus, two-sided clip, off-policy mask, vespo or luspo: these were
+    accepted and then silently not applied."""
+    register_plugin(ReinforcePP)
+    key = next(iter(arg))
+    with pytest.raises(RecipeError, match=rf"args\.{key}: .*reinforce_pp"):
+        resolve_stage(_stage("reinforce_pp", **arg), 0, catalog)
+    def stage(params, **args):
+        return StageSpec(trainer="grpo", model="embedded:tiny-qwen2", dataset="embedded:arithmetic",
+                         plugins=[{"name": "reinforce_pp", "params": params}, "exact_match"], args={**args, **arg})
+
+    with pytest.raises(RecipeError, match=rf"args\.{key}: .*reinforce_pp"):
+        resolve_stage(stage({"kl_in_loss": False}, beta=0.01), 0, catalog)
+    # TRL's own loss runs (and applies the option) when the loss KL is kept or there is no KL in the reward
+    resolve_stage(stage({"kl_in_loss": True}, beta=0.01), 0, catalog)
+    resolve_stage(stage({"kl_coef": 0.0}), 0, catalog)
+
+
+def test_loss_pipeline_refuses_trl_options_at_the_first_loss(tiny_trainer):
+    """A KL term replaced after validation (trl_ext_trainer_created) still cannot ignore TRL's options silently."""
+    from trl_ext.ops import KLTerm
+
+    trainer = tiny_trainer("grpo", args={"top_entropy_quantile": 0.2})
+    trainer.kl_term = KLTerm("k3", coef=0.0)
+    inputs = rollout(trainer, rows=4)
+    with pytest.raises(ValueError, match=r"args\.top_entropy_quantile: not supported"):
+        trainer._compute_loss(trainer.model, inputs)

@@ -119,8 +119,16 @@ class RewardKLHooks:
         self._beta_only_for_reference = self.params.kl_coef > 0 and not args.get("beta")
         return reference_only_beta(args) if self.params.kl_coef > 0 else None
 
+    def _drops_loss_kl(self) -> bool:
+        return self.params.kl_coef > 0 and (self._beta_only_for_reference or not self.params.kl_in_loss)
+
+    def uses_loss_pipeline(self, args: dict) -> bool:
+        """Dropping the loss KL runs trl-ext's loss pipeline, not TRL's ``_compute_loss`` (asked by the GRPO stage
+        check, after ``trl_ext_configure_args``, so the TRL options the pipeline lacks are refused, not ignored)."""
+        return self._drops_loss_kl()
+
     def _reward_kl_trainer_created(self, trainer) -> None:
-        if self.params.kl_coef > 0 and (self._beta_only_for_reference or not self.params.kl_in_loss):
+        if self._drops_loss_kl():
             drop_loss_kl(trainer)
 
     @hookimpl

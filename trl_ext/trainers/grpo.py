@@ -167,12 +167,9 @@ UNSUPPORTED_WITH_LOSS_PLUGINS = {
 }
 
 
-def check_stage(host, stage, args: dict, where: str) -> list[str]:
-    """GRPO's own validation (TrainerKind.check): the trl-ext loss pipeline re-expresses only some TRL options, so the
-    others are refused up front when a loss plugin is active."""
-    active = [p.name for p in host.plugins if any(h in p.implemented_hooks() for h in LOSS_HOOKS)]
-    if not active:
-        return []
+def loss_pipeline_conflicts(args: dict, where: str, active: list[str]) -> list[str]:
+    """The TRL options in ``args`` that trl-ext's loss pipeline would silently ignore (or, for ``loss_type``, could not
+    run), one message per field naming the plugins that route the loss through the pipeline."""
     errors = [f"{where}.args.{key}: not supported together with loss plugin(s) {active}"
               for key, neutral in UNSUPPORTED_WITH_LOSS_PLUGINS.items() if key in args and args[key] != neutral]
     loss_type = args.get("loss_type", "dapo")
@@ -180,6 +177,23 @@ def check_stage(host, stage, args: dict, where: str) -> list[str]:
         errors.append(f"{where}.args.loss_type: {loss_type!r} cannot be combined with loss plugin(s) {active}; "
                       f"use one of {sorted(DEFAULT_AGGREGATIONS)}")
     return errors
+
+
+def routes_loss_through_pipeline(plugin, args: dict) -> bool:
+    """Whether ``plugin`` makes the trainer run trl-ext's loss pipeline instead of TRL's ``_compute_loss``: it
+    implements a loss hook, or it replaces the KL term (``uses_loss_pipeline(args)``, e.g. a KL folded into the reward
+    drops the loss KL), which :meth:`ExtGRPOTrainer._compute_loss` also routes to the pipeline."""
+    if any(h in plugin.implemented_hooks() for h in LOSS_HOOKS):
+        return True
+    uses = getattr(plugin, "uses_loss_pipeline", None)
+    return bool(uses(args)) if callable(uses) else False
+
+
+def check_stage(host, stage, args: dict, where: str) -> list[str]:
+    """GRPO's own validation (TrainerKind.check): the trl-ext loss pipeline re-expresses only some TRL options, so the
+    others are refused up front when a plugin routes the loss through it."""
+    active = [p.name for p in host.plugins if routes_loss_through_pipeline(p, args)]
+    return loss_pipeline_conflicts(args, where, active) if active else []
 
 
 class ExtGRPOTrainer(HostMixin, GRPOTrainer):
@@ -319,7 +333,17 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         with self._forward_contexts("train", model, inputs):
             if self.kl_term.is_trl() and not any(self.plugin_host.implements(h) for h in LOSS_HOOKS):
                 return super()._compute_loss(model, inputs)
+            self._check_loss_pipeline_args()
             return self._plugin_loss(model, inputs)
+
+    def _check_loss_pipeline_args(self) -> None:
+        """Refuse TRL options the loss pipeline does not implement, for whatever routed the loss here (validation
+        refuses the known cases first; a KL term replaced in ``trl_ext_trainer_created`` is only known now)."""
+        args = {key: getattr(self.args, key) for key in UNSUPPORTED_WITH_LOSS_PLUGINS} | {"loss_type": self.loss_type}
+        reason = [p.name for p in self.plugin_host.plugins if any(h in p.implemented_hooks() for h in LOSS_HOOKS)]
+        errors = loss_pipeline_conflicts(args, "args", reason or [f"kl_term={self.kl_term!r}"])
+        if errors:
+            raise ValueError("; ".join(errors))
 
     def _plugin_loss(self, model, inputs):
         """trl-ext's loss pipeline: objective -> token weights -> (+ beta * KL) -> aggregation -> + extra terms."""
