@@ -26,6 +26,8 @@ class SFT(Plugin):
     SFT stage; sequences [1] and [0, 0, 0] give 0.25 under ``token`` and 0.5 under ``sequence``. Which tokens count
     is TRL's choice (``completion_only_loss`` / ``assistant_only_loss``), not the plugin's. With ``packing`` (or
     padding-free batches) a sequence is an example, not a packed row: the trainer splits packed rows at position 0.
+    Under ``sequence``, TRL's ``args.loss_type: dft`` token weight, the MoE router aux loss and TRL's metrics apply as
+    on TRL's path; ``args.label_smoothing_factor`` (it needs the full logits) is refused.
     """
 
     name = "sft"

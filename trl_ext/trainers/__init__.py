@@ -150,6 +150,12 @@ def _no_checks(host, stage, args: dict[str, Any], where: str) -> list[str]:
     return []
 
 
+def _check_sft(host, stage, args, where):
+    from trl_ext.trainers.sft import check_stage
+
+    return check_stage(host, stage, args, where)
+
+
 def _check_grpo(host, stage, args, where):
     from trl_ext.trainers.grpo import check_stage
 
@@ -189,7 +195,7 @@ def _teacher_caps(stage, args):
 TRAINER_KINDS: dict[str, TrainerKind] = {
     kind.name: kind
     for kind in [
-        TrainerKind("sft", SFTConfig, _build_sft, lambda s, a: set(),
+        TrainerKind("sft", SFTConfig, _build_sft, lambda s, a: set(), check=_check_sft,
                     columns=(frozenset({"text"}), frozenset({"messages"}), frozenset({"prompt", "completion"}))),
         TrainerKind("grpo", GRPOConfig, _build_grpo, lambda s, a: _rl_capabilities(s, a, 0.0) | _teacher_caps(s, a),
                     uses_rewards=True, check=_check_grpo, columns=(frozenset({"prompt"}),)),
