@@ -103,6 +103,31 @@ def test_objective_parity_with_trl(plugins, trl_args):
     assert_parity(plugins, trl_args)
 
 
+@pytest.mark.parametrize("plugins, trl_args", [
+    ([GRPO()], {"loss_type": "grpo"}),
+    ([DAPO()], {"loss_type": "dapo", "epsilon_high": 0.28}),
+    ([GRPO(), Aggregation(Aggregation.Params(mode="batch-token-mean"))], {"loss_type": "bnpo", "epsilon": 0.1}),
+    ([], {"loss_type": "dr_grpo"}),  # TRL's objective run by the pipeline (a replaced KL term routes it there)
+], ids=["grpo", "dapo", "bnpo", "trl-objective"])
+def test_clip_ratio_metrics_match_trl(plugins, trl_args):
+    """The plugin path logged none of TRL's ``clip_ratio/*`` metrics; with a PPO-clip objective they now equal TRL's
+    (fraction of loss tokens clipped low with A < 0 / high with A > 0, and the per-sequence extremes)."""
+    from trl_ext.ops import KLTerm
+
+    theta, _, inputs = batch()
+    ours, _ = trainer_like({**trl_args, **plugin_args(plugins)}, theta)
+    ours.plugin_host = PluginHost(plugins)
+    ours.kl_term = KLTerm("k3", coef=0.0)
+    theirs, _ = trainer_like(trl_args, theta)
+    ours._plugin_loss(None, dict(inputs))
+    GRPOTrainer._compute_loss(theirs, None, dict(inputs))
+    expected = {k: v for k, v in theirs._metrics["train"].items() if k.startswith("clip_ratio/")}
+    got = {k: v for k, v in ours._metrics["train"].items() if k.startswith("clip_ratio/")}
+    assert set(expected) == set(got) and len(expected) == 5
+    assert all(v == pytest.approx(expected[k], abs=1e-6) for k, v in got.items()), (got, expected)  # TRL: float32
+    assert 0 < expected["clip_ratio/region_mean"][0] < 1  # the case clips some tokens, not all
+
+
 def test_gspo_token_form_matches_trl_sequence_gradient():
     # Same value and same gradient as TRL's sequence-level GSPO (advantages are per sequence).
     assert_parity([GSPO(GSPO.Params(form="token", epsilon_low=0.05, epsilon_high=0.05)), Aggregation(

@@ -128,7 +128,8 @@ def grpo_trainer_like(args: dict, theta: torch.Tensor):
         _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, torch.zeros_like(leaf), None),
     )
     t.kl_term = KLTerm("k3", bias_correction=t.args.use_bias_correction_kl)  # what ExtGRPOTrainer.__init__ sets
-    for name in ("_plugin_loss", "_masked_global_mean", "_log_plugin_metrics"):
+    for name in ("_plugin_loss", "_masked_global_mean", "_log_plugin_metrics", "_objective_is_ppo_clip",
+                 "_clip_ratio_metrics"):
         setattr(t, name, types.MethodType(getattr(ExtGRPOTrainer, name), t))
     return t, leaf
 

@@ -59,6 +59,9 @@ def global_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, ctx) -> 
     return ops.where_mask(per_token_loss, mask).sum() / normalizer
 
 
+# TRL loss types whose objective is the PPO clip, for which TRL logs ``clip_ratio/*``.
+PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
 DEFAULT_AGGREGATIONS = {
     "grpo": lambda l, m, c: scale_per_micro_batch(ops.seq_mean_token_mean(l, m), c),
     "sapo": lambda l, m, c: scale_per_micro_batch(ops.seq_mean_token_mean(l, m), c),
@@ -405,10 +408,42 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / li.grad_accum_steps
 
+        if self._objective_is_ppo_clip():
+            li.metrics.update(self._clip_ratio_metrics(trl_ratio(li, self.importance_sampling_level).detach(),
+                                                       li.advantages, li.mask))
         li.metrics["entropy"] = self._masked_global_mean(entropies, li.mask)
         li.metrics["loss_mask/kept_fraction"] = (loss_mask.sum() / li.mask.sum().clamp(min=1.0)).item()
         self._log_plugin_metrics(li.metrics)
         return loss
+
+    def _objective_is_ppo_clip(self) -> bool:
+        """Whether the per-token objective is the PPO clip TRL's ``clip_ratio/*`` metrics describe: TRL's own for a
+        PPO-clip ``loss_type``, or every ``trl_ext_policy_loss`` plugin declaring ``token_ppo_clip``."""
+        objectives = [p for p in self.plugin_host.plugins if "trl_ext_policy_loss" in p.implemented_hooks()]
+        if objectives:
+            return all(getattr(p, "token_ppo_clip", False) for p in objectives)
+        return self.loss_type in PPO_CLIP_LOSS_TYPES
+
+    def _clip_ratio_metrics(self, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict:
+        """TRL's ``clip_ratio/*`` metrics with TRL's definitions: a token is low-clipped when ``r < 1 - eps_low`` and
+        ``A < 0``, high-clipped when ``r > 1 + eps_high`` and ``A > 0``; the ``*_mean`` are over the loss tokens of all
+        ranks (over sequences for a ``(B, 1)`` sequence ratio), ``low_min``/``high_max`` the extremes of the
+        per-sequence fractions (sequences without tokens skipped)."""
+        low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).to(mask.dtype)
+        high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).to(mask.dtype)
+        sequence_level = low.shape[-1] == 1
+        count_mask = torch.ones_like(low) if sequence_level else mask
+
+        def per_sequence(x):
+            return x.squeeze(-1) if sequence_level else ops.where_mask(x, mask).sum(-1) / mask.sum(-1)
+
+        metrics = {f"clip_ratio/{name}_mean": self._masked_global_mean(x, count_mask)
+                   for name, x in (("low", low), ("high", high), ("region", torch.maximum(low, high)))}
+        low_seq, high_seq = self.accelerator.gather(per_sequence(low)), self.accelerator.gather(per_sequence(high))
+        low_seq, high_seq = low_seq[~low_seq.isnan()], high_seq[~high_seq.isnan()]
+        metrics["clip_ratio/low_min"] = low_seq.min().item() if low_seq.numel() else float("nan")
+        metrics["clip_ratio/high_max"] = high_seq.max().item() if high_seq.numel() else float("nan")
+        return metrics
 
     # -- model forward contexts (trl_ext_model_forward) -------------------------------------------------------------
 
