@@ -6,6 +6,7 @@ import json
 import os
 
 from trl_ext.host import PluginHost
+from trl_ext.metrics import reduce_figures
 
 
 def saved_weight_names(folder: str | os.PathLike) -> set[str] | None:
@@ -82,10 +83,12 @@ class HostMixin:
         if sharded or _is_peft_model(target) or not load_converted_weights(target, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
-    def _log_plugin_metrics(self, metrics: dict[str, float]) -> None:
-        """Append plugin figures to TRL's metric buffers; TRL averages them into each logged step."""
+    def _log_plugin_metrics(self, metrics: dict) -> None:
+        """Append plugin figures to TRL's metric buffers; TRL averages them into each logged step. TRL logs rank 0's
+        buffers, so figures handed as parts (:mod:`trl_ext.metrics`) are reduced over every rank first: called on
+        every rank, with the same keys."""
         if not metrics:
             return
         mode = "train" if self.model.training else "eval"
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(float(value))
+        for key, value in reduce_figures(metrics, self.accelerator).items():
+            self._metrics[mode][key].append(value)

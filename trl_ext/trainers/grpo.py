@@ -22,6 +22,7 @@ import torch
 from accelerate.utils import gather
 from trl import GRPOTrainer
 
+from trl_ext import metrics as figures
 from trl_ext import ops
 from trl_ext.batches import LossInputs, RolloutBatch
 from trl_ext.trainers.base import HostMixin
@@ -412,7 +413,8 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             li.metrics.update(self._clip_ratio_metrics(trl_ratio(li, self.importance_sampling_level).detach(),
                                                        li.advantages, li.mask))
         li.metrics["entropy"] = self._masked_global_mean(entropies, li.mask)
-        li.metrics["loss_mask/kept_fraction"] = (loss_mask.sum() / li.mask.sum().clamp(min=1.0)).item()
+        # kept tokens over every rank's tokens (TRL logs rank 0's buffer; ranks hold different token counts)
+        li.metrics["loss_mask/kept_fraction"] = figures.mean(loss_mask.sum(), li.mask.sum())
         self._log_plugin_metrics(li.metrics)
         return loss
 

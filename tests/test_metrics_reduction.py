@@ -1,0 +1,121 @@
+"""Logged figures cover every rank (docs/distributed.md: TRL logs rank 0's buffers): each figure computed on two
+simulated ranks, whose collectives really exchange tensors (one thread per rank), equals the figure one process
+computes on both ranks' data."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_ext import metrics as figures
+from trl_ext.trainers.base import HostMixin
+
+
+class ThreadRanks:
+    """``world`` accelerators whose ``reduce``/``gather`` meet at a barrier: every rank must make the same calls in
+    the same order (a rank that skips one leaves the others waiting, and the test times out)."""
+
+    def __init__(self, world: int = 2):
+        self.world, self.slots, self.barrier = world, [None] * world, threading.Barrier(world, timeout=20)
+
+    def _exchange(self, rank, t):
+        self.slots[rank] = t
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()
+        return parts
+
+    def accelerator(self, rank):
+        return SimpleNamespace(
+            num_processes=self.world, process_index=rank, is_main_process=rank == 0,
+            reduce=lambda t, reduction="sum": torch.stack(self._exchange(rank, t)).sum(0) / (
+                self.world if reduction == "mean" else 1),
+            gather=lambda t: torch.cat(self._exchange(rank, t)))
+
+    def run(self, fn):
+        """``fn(rank, accelerator)`` on every rank concurrently -> the results by rank."""
+        results, errors = [None] * self.world, []
+
+        def body(rank):
+            try:
+                results[rank] = fn(rank, self.accelerator(rank))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def logged_on_every_rank(per_rank_metrics, world: int = 2) -> list[dict[str, float]]:
+    """What a trl-ext trainer's ``_log_plugin_metrics`` appends on each rank, for ``per_rank_metrics(rank)``."""
+
+    def rank_logs(rank, accelerator):
+        trainer = SimpleNamespace(accelerator=accelerator, model=SimpleNamespace(training=True),
+                                  _metrics={"train": defaultdict(list)})
+        HostMixin._log_plugin_metrics(trainer, per_rank_metrics(rank))
+        return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    return ThreadRanks(world).run(rank_logs)
+
+
+def one_process(metrics) -> dict[str, float]:
+    return figures.reduce_figures(metrics, None)
+
+
+# rank 0: 3 loss tokens, rank 1: 1 (unequal token counts, as with different completion lengths)
+VALUES = [torch.tensor([[0.5, 2.0, 4.0, 9.0]]), torch.tensor([[-3.0, 7.0, 7.0, 7.0]])]
+MASKS = [torch.tensor([[True, True, True, False]]), torch.tensor([[True, False, False, False]])]
+
+
+def test_figures_of_two_ranks_equal_the_figures_of_one_process_on_both_ranks_data():
+    def parts(values, mask):
+        return {"mean": figures.masked_mean(values, mask), "std": figures.masked_std(values, mask),
+                "max": figures.masked_max(values, mask), "min": figures.masked_min(values, mask), "plain": 1.5}
+
+    both = one_process(parts(torch.cat(VALUES, 1), torch.cat(MASKS, 1)))
+    assert both["mean"] == pytest.approx(3.5 / 4) and both["max"] == 4.0 and both["min"] == -3.0
+    assert both["std"] == pytest.approx(torch.tensor([0.5, 2.0, 4.0, -3.0]).std().item())
+    for logged in logged_on_every_rank(lambda r: parts(VALUES[r], MASKS[r])):
+        assert logged == pytest.approx(both)
+
+
+def test_a_rank_without_tokens_leaves_the_figures_of_the_others_and_no_tokens_anywhere_logs_nothing():
+    empty = torch.zeros_like(MASKS[1])
+    masks = [MASKS[0], empty]
+    for logged in logged_on_every_rank(lambda r: {"mean": figures.masked_mean(VALUES[r], masks[r]),
+                                                  "min": figures.masked_min(VALUES[r], masks[r])}):
+        assert logged == pytest.approx({"mean": 6.5 / 3, "min": 0.5})
+    for logged in logged_on_every_rank(lambda r: {"mean": figures.masked_mean(VALUES[r], empty),
+                                                  "max": figures.masked_max(VALUES[r], empty)}):
+        assert logged == {}
+
+
+def test_correction_mismatch_statistics_cover_both_ranks_tokens():
+    from trl_ext_plugins.corrections import math as cm
+
+    # rank 0: one row with 3 loss tokens (rho 1, 2, 4: the 4 is masked); rank 1: one row with 1 token (rho 0.5)
+    log_rho = torch.tensor([[0.0, 0.6931471805599453, 1.3862943611198906], [-0.6931471805599453, 0.0, 0.0]],
+                           dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    weight = torch.tensor([[1.0, 2.0, 0.0], [0.5, 0.0, 0.0]], dtype=torch.float64)
+    changed = torch.tensor([[False, False, True], [False, False, False]])
+    both = one_process(cm.mismatch_stats(log_rho, weight, changed, mask))
+    assert both["rho/mean"] == pytest.approx(7.5 / 4) and both["rho/max"] == pytest.approx(4.0)
+    assert both["weight/min"] == 0.0 and both["changed_fraction"] == pytest.approx(1 / 4)
+    assert both["ess"] == pytest.approx(3.5 ** 2 / (4 * 5.25))
+    assert both["changed_sequence_fraction"] == pytest.approx(1 / 2)
+    logged = logged_on_every_rank(lambda r: cm.mismatch_stats(log_rho[r:r + 1], weight[r:r + 1], changed[r:r + 1],
+                                                              mask[r:r + 1]))
+    for metrics in logged:
+        assert metrics == pytest.approx(both)
