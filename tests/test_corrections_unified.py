@@ -25,6 +25,7 @@ from trl_ext import ops
 from trl_ext.catalog import Catalog
 from trl_ext.errors import RecipeError
 from trl_ext.host import PluginHost
+from trl_ext.metrics import reduce_figures
 from trl_ext.recipe import StageSpec
 from trl_ext.stage import resolve_stage
 from trl_ext.testing import assert_conforms, check_plugin_conformance
@@ -57,7 +58,7 @@ def valid_weights(plugin, rows):
     """The plugin's weight on each row's loss tokens (a per-sequence weight repeated per token)."""
     li = rho_inputs(rows)
     weight = plugin.trl_ext_token_weights(inputs=li).weight.expand_as(li.mask)
-    return [[weight[i, j].item() for j in range(len(r))] for i, r in enumerate(rows)], li.metrics
+    return [[weight[i, j].item() for j in range(len(r))] for i, r in enumerate(rows)], reduce_figures(li.metrics)
 
 
 # -- preset equivalence ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from trl_ext.metrics import reduce_figures
 from trl_ext.testing import assert_conforms
 from trl_ext_plugins.advantages.group_norm import GroupNorm, GroupNormParams
 from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline
@@ -239,7 +240,7 @@ def test_correction_diagnostics_by_hand():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=D)
     weight = torch.tensor([[1.0, 2.0], [0.0, 0.0]], dtype=D)
     changed = torch.tensor([[False, False], [True, False]])
-    stats = cm.mismatch_stats(log_rho, weight, changed, mask)
+    stats = reduce_figures(cm.mismatch_stats(log_rho, weight, changed, mask))
     assert stats["rho/mean"] == pytest.approx(7 / 3)
     assert stats["rho/std"] == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
     assert stats["rho/max"] == pytest.approx(4.0)

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from trl_ext import metrics as figures
 from trl_ext import ops
 
 
@@ -103,40 +104,49 @@ def ppo_clip_active(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: 
 
 
 def mismatch_stats(log_rho: torch.Tensor, weight: torch.Tensor, changed: torch.Tensor,
-                   mask: torch.Tensor) -> dict[str, float]:
-    """Diagnostics of one micro-batch over its loss tokens (weights of shape (B, 1) are broadcast).
+                   mask: torch.Tensor) -> dict[str, figures.Summed | figures.Largest]:
+    """Diagnostics of one micro-batch over its loss tokens (weights of shape (B, 1) are broadcast), as figure parts
+    the trainer reduces over every rank (:mod:`trl_ext.metrics`; ``reduce_figures`` gives the floats): a rank's own
+    means, maxima and ESS are its slice only, and ranks hold different token counts.
 
     ``logp_diff/{mean,max}``: |log pi_old - log pi_rollout|; ``rho/{mean,std,max}``: the token ratio pi_old/pi_rollout
     (clamped exp, unbiased std); ``weight/{min,mean,max}``: the correction's weight; ``changed_fraction`` and
     ``changed_sequence_fraction``: tokens, and sequences with at least one token, whose weight was masked or truncated;
     ``ess``: effective sample size of the weights as a fraction, ``(sum w)^2 / (n sum w^2)`` (1: uniform, 0: all zero);
     ``mismatch_kl/{k1,k3}``: KL(pi_rollout || pi_old) estimated on the rollout's own samples, k1 = mean(-log rho),
-    k3 = mean(rho - 1 - log rho) (>= 0).
+    k3 = mean(rho - 1 - log rho) (>= 0). Every key is always present (a rank without loss tokens adds nothing to the
+    sums); a figure with no loss token on any rank is not logged.
     """
     valid = mask.bool()
-    if not bool(valid.any()):
-        return {}
-    lr = log_rho[valid]
+    lr = torch.where(valid, log_rho.detach(), torch.zeros_like(log_rho))
     rho = ops.safe_ratio(lr)
-    w = weight.expand_as(mask)[valid]
+    w = weight.detach().expand_as(mask)
+    w = torch.where(valid, w, torch.zeros_like(w))
     changed_tokens = changed.expand_as(mask) & valid
     rows = valid.any(-1)
-    square_sum = (w * w).sum()
+    k3 = rho - 1 - lr.clamp(-ops.LOG_RATIO_CLAMP, ops.LOG_RATIO_CLAMP)
     return {
-        "logp_diff/mean": lr.abs().mean().item(),
-        "logp_diff/max": lr.abs().max().item(),
-        "rho/mean": rho.mean().item(),
-        "rho/std": rho.std().item() if rho.numel() > 1 else 0.0,
-        "rho/max": rho.max().item(),
-        "changed_fraction": changed_tokens[valid].float().mean().item(),
-        "changed_sequence_fraction": changed_tokens.any(-1)[rows].float().mean().item(),
-        "weight/min": w.min().item(),
-        "weight/mean": w.mean().item(),
-        "weight/max": w.max().item(),
-        "ess": (w.sum() ** 2 / (w.numel() * square_sum)).item() if square_sum > 0 else 0.0,
-        "mismatch_kl/k1": (-lr).mean().item(),
-        "mismatch_kl/k3": (rho - 1 - lr.clamp(-ops.LOG_RATIO_CLAMP, ops.LOG_RATIO_CLAMP)).mean().item(),
+        "logp_diff/mean": figures.masked_mean(lr.abs(), valid),
+        "logp_diff/max": figures.masked_max(lr.abs(), valid),
+        "rho/mean": figures.masked_mean(rho, valid),
+        "rho/std": figures.masked_std(rho, valid),
+        "rho/max": figures.masked_max(rho, valid),
+        "changed_fraction": figures.mean(changed_tokens.sum(), valid.sum()),
+        "changed_sequence_fraction": figures.mean((changed_tokens.any(-1) & rows).sum(), rows.sum()),
+        "weight/min": figures.masked_min(w, valid),
+        "weight/mean": figures.masked_mean(w, valid),
+        "weight/max": figures.masked_max(w, valid),
+        "ess": figures.Summed((w.sum(), (w * w).sum(), valid.sum()), _ess),
+        "mismatch_kl/k1": figures.masked_mean(-lr, valid),
+        "mismatch_kl/k3": figures.masked_mean(k3, valid),
     }
+
+
+def _ess(total: float, squares: float, count: float) -> float | None:
+    """``(sum w)^2 / (n sum w^2)`` from sums over every rank (0 when every weight is 0)."""
+    if count <= 0:
+        return None
+    return total * total / (count * squares) if squares > 0 else 0.0
 
 
 def rho_from_log(log_rho: torch.Tensor) -> torch.Tensor:
