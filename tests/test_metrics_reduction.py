@@ -119,3 +119,38 @@ def test_correction_mismatch_statistics_cover_both_ranks_tokens():
                                                               mask[r:r + 1]))
     for metrics in logged:
         assert metrics == pytest.approx(both)
+
+
+def _rank_inputs(theta, rollout, mask, rank):
+    from test_losses import make_inputs
+
+    return make_inputs(theta[rank:rank + 1], old=theta[rank:rank + 1], rollout=rollout[rank:rank + 1],
+                       mask=mask[rank:rank + 1])
+
+
+@pytest.mark.parametrize("plugin", ["m2po", "rollout_ratio"])
+def test_m2po_and_rollout_ratio_figures_cover_both_ranks_tokens(plugin):
+    from test_losses import make_inputs
+    from trl_ext_plugins.corrections.m2po import M2PO
+    from trl_ext_plugins.corrections.rollout_ratio import RolloutRatio
+
+    # rank 0: 3 loss tokens, rank 1: 1 loss token with the largest log-ratio
+    theta = torch.tensor([[0.5, 0.1, -0.1, 0.0], [1.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    rollout = torch.zeros(2, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+
+    def figures_of(li):
+        if plugin == "m2po":
+            M2PO().trl_ext_token_weights(inputs=li)
+        else:
+            RolloutRatio().trl_ext_policy_loss(inputs=li)
+        return li.metrics
+
+    both = one_process(figures_of(make_inputs(theta, old=theta, rollout=rollout, mask=mask)))
+    if plugin == "m2po":
+        assert both["m2po/second_moment"] == pytest.approx((0.25 + 0.01 + 0.01 + 2.25) / 4)
+    else:
+        assert both["rollout_ratio/logp_diff/max"] == pytest.approx(1.5)
+        assert both["rollout_ratio/logp_diff/mean"] == pytest.approx(2.2 / 4)
+    for logged in logged_on_every_rank(lambda r: figures_of(_rank_inputs(theta, rollout, mask, r))):
+        assert logged == pytest.approx(both)

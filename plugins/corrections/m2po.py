@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext import metrics as figures
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.corrections import math
 
@@ -75,8 +76,7 @@ class M2PO(Plugin):
             scope = valid & math.ppo_clip_active(inputs.log_ratio, inputs.advantages, inputs.epsilon_low,
                                                  inputs.epsilon_high)
         keep = math.m2_keep_mask(log_ratio, scope.to(inputs.mask.dtype), self.params.threshold) | (valid & ~scope)
-        if bool(scope.any()):
-            inputs.metrics[f"{self.name}/second_moment"] = (log_ratio[scope] ** 2).mean().item()
-        if bool(valid.any()):
-            inputs.metrics[f"{self.name}/changed_fraction"] = (~keep)[valid].float().mean().item()
+        # token means over every rank's tokens (figure parts the trainer reduces; every rank emits both keys)
+        inputs.metrics[f"{self.name}/second_moment"] = figures.masked_mean(log_ratio.detach() ** 2, scope)
+        inputs.metrics[f"{self.name}/changed_fraction"] = figures.mean((~keep & valid).sum(), valid.sum())
         return TokenWeights(mask=keep)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl, ops
+from trl_ext import metrics as figures
 from trl_ext_plugins.corrections import math
 from trl_ext_plugins.losses.math import masked_inputs
 
@@ -61,13 +62,13 @@ class RolloutRatio(Plugin):
         ratio = ops.safe_ratio(log_ratio)
         weight = math.double_sided_weight(ratio, self.params.epsilon_low, self.params.epsilon_high)
         valid = inputs.mask.bool()
-        if bool(valid.any()):
-            inputs.metrics.update({
-                f"{self.name}/logp_diff/mean": log_ratio.detach().abs()[valid].mean().item(),
-                f"{self.name}/logp_diff/max": log_ratio.detach().abs()[valid].max().item(),
-                f"{self.name}/changed_fraction": (weight == 0)[valid].float().mean().item(),
-                f"{self.name}/weight/mean": weight[valid].mean().item(),
-            })
+        diff = log_ratio.detach().abs()
+        inputs.metrics.update({  # over every rank's tokens (figure parts the trainer reduces)
+            f"{self.name}/logp_diff/mean": figures.masked_mean(diff, valid),
+            f"{self.name}/logp_diff/max": figures.masked_max(diff, valid),
+            f"{self.name}/changed_fraction": figures.mean(((weight == 0) & valid).sum(), valid.sum()),
+            f"{self.name}/weight/mean": figures.masked_mean(weight.detach(), valid),
+        })
         return -weight * advantages * logps
 
 
