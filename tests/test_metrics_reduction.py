@@ -154,3 +154,31 @@ def test_m2po_and_rollout_ratio_figures_cover_both_ranks_tokens(plugin):
         assert both["rollout_ratio/logp_diff/mean"] == pytest.approx(2.2 / 4)
     for logged in logged_on_every_rank(lambda r: figures_of(_rank_inputs(theta, rollout, mask, r))):
         assert logged == pytest.approx(both)
+
+
+@pytest.mark.parametrize("plugin", ["vapo", "bond"])
+def test_nll_figures_are_token_means_over_both_ranks(plugin):
+    """vapo/nll (positive samples' tokens) and bond/bon_nll (best-of-n tokens): rank 0 has 3 such tokens, rank 1 one."""
+    from test_losses import make_inputs
+    from trl_ext_plugins.advantages.vapo import POSITIVE, POSITIVE_TOKENS, VAPO, VAPOParams
+    from trl_ext_plugins.distill.bond import BEST_KEY, BOND, BONDParams
+
+    logps = torch.tensor([[-1.0, -2.0, -3.0, -9.0], [-8.0, -5.0, -5.0, -5.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    picked = torch.tensor([1.0, 1.0], dtype=torch.float64)  # both rows positive / best of their group
+
+    def figures_of(rows):
+        if plugin == "vapo":
+            extra = {POSITIVE: picked[rows], POSITIVE_TOKENS: torch.full_like(picked[rows], 4.0)}
+            li = make_inputs(logps[rows], mask=mask[rows], **extra)
+            VAPO(VAPOParams(nll_coef=0.1)).trl_ext_extra_loss(li)
+        else:
+            li = make_inputs(logps[rows], mask=mask[rows], **{BEST_KEY: picked[rows]})
+            BOND(BONDParams(beta=0.5)).trl_ext_extra_loss(li)
+        return li.metrics
+
+    key = "vapo/nll" if plugin == "vapo" else "bond/bon_nll"
+    both = one_process(figures_of(slice(0, 2)))
+    assert both[key] == pytest.approx((1 + 2 + 3 + 8) / 4)  # not rank 0's (1 + 2 + 3) / 3
+    for logged in logged_on_every_rank(lambda r: figures_of(slice(r, r + 1))):
+        assert logged == pytest.approx(both)

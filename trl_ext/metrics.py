@@ -93,6 +93,8 @@ def reduce_figures(metrics: dict[str, Any], accelerator=None) -> dict[str, float
                    for t in (metrics[k].parts if k in summed else (metrics[k].value,))
                    if isinstance(t, torch.Tensor)), None)
     several = accelerator is not None and accelerator.num_processes > 1
+    if several:  # collectives need tensors on the accelerator's device (NCCL refuses CPU tensors)
+        device = getattr(accelerator, "device", device)
     if summed:
         parts = _floats([p for k in summed for p in metrics[k].parts], device)
         if several:

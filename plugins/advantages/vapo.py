@@ -9,6 +9,7 @@ import torch
 from pydantic import Field
 
 from trl_ext import hookimpl, ops
+from trl_ext import metrics as figures
 from trl_ext.trainers.grpo import global_token_mean
 from trl_ext_plugins.advantages.ppo import PPO, PPOParams
 from trl_ext_plugins.advantages.rollout import local, rank_reduce
@@ -93,5 +94,5 @@ class VAPO(PPO):
         ctx = dataclasses.replace(inputs, num_items_in_batch=total[0] if total.numel() else 0)
         nll = global_token_mean(-inputs.per_token_logps, mask, ctx)
         nll_tokens = ops.where_mask(-inputs.per_token_logps.detach(), mask)  # where, not * mask: -inf at padding
-        inputs.metrics["vapo/nll"] = (nll_tokens.sum() / mask.sum().clamp(min=1)).item()
+        inputs.metrics["vapo/nll"] = figures.mean(nll_tokens.sum(), mask.sum())  # over every rank's tokens
         return self.params.nll_coef * nll

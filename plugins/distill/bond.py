@@ -9,6 +9,7 @@ from pydantic import Field
 from transformers import TrainerCallback
 
 from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext import metrics as figures
 from trl_ext_plugins.distill import math as dm
 
 BEST_KEY = "bond_best"  # per-row flag handed to the loss: this sample is its group's best (a BoN sample)
@@ -90,7 +91,10 @@ class BOND(Plugin):
             return None
         best = inputs.extra[BEST_KEY].to(inputs.mask.dtype).unsqueeze(1)
         nll = bon_nll(inputs.per_token_logps, inputs.mask * best)
-        inputs.metrics["bond/bon_nll"] = nll.item()
+        # the token mean over every rank's best-of-n tokens (this rank's nll is its slice)
+        picked = inputs.mask * best
+        inputs.metrics["bond/bon_nll"] = figures.mean(
+            torch.where(picked.bool(), -inputs.per_token_logps.detach(), torch.zeros_like(picked)).sum(), picked.sum())
         return (1.0 - self.params.beta) * nll / inputs.grad_accum_steps
 
     @hookimpl
