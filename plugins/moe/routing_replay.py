@@ -10,6 +10,7 @@ import torch
 from pydantic import Field
 
 from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext import metrics as figures
 from trl_ext_plugins.moe.routing import (GenerationCapture, ModelRouting, align_generation_routes, base_model,
                                          masked_routes, model_refusal)
 
@@ -247,7 +248,7 @@ class RoutingReplay(Plugin):
                              f"{expected} (rows, prompt + completion positions)")
         batch.loss_extras[ROUTES_KEY] = routes
         tokens = batch.prompt_mask.sum() + batch.completion_mask.sum()
-        batch.metrics["routing_replay/bytes_per_token"] = routes.nbytes / max(tokens.item(), 1)
+        batch.metrics["routing_replay/bytes_per_token"] = figures.mean(float(routes.nbytes), tokens)  # all ranks
         return None
 
 
