@@ -182,3 +182,41 @@ def test_nll_figures_are_token_means_over_both_ranks(plugin):
     assert both[key] == pytest.approx((1 + 2 + 3 + 8) / 4)  # not rank 0's (1 + 2 + 3) / 3
     for logged in logged_on_every_rank(lambda r: figures_of(slice(r, r + 1))):
         assert logged == pytest.approx(both)
+
+
+def test_preference_plugin_figures_cover_both_ranks_pairs():
+    """orpo/*, rpo/*, qrpo/* through the DPO trainer's logging; rank 0 holds two pairs with long completions, rank 1
+    one pair with a short one."""
+    from trl_ext.batches import PreferenceInputs
+    from trl_ext_plugins.preference.orpo import ORPO
+    from trl_ext_plugins.preference.qrpo import QRPO, QRPOParams
+    from trl_ext_plugins.preference.rpo import RPO, RPOParams
+
+    f64 = torch.float64
+    chosen = torch.tensor([-10.0, -20.0, -1.0], dtype=f64)
+    rejected = torch.tensor([-12.0, -18.0, -3.0], dtype=f64)
+    lengths = torch.tensor([10.0, 10.0, 1.0], dtype=f64)
+    rewards = {"chosen_reward": torch.tensor([1.0, 0.5, 0.9], dtype=f64),
+               "rejected_reward": torch.tensor([0.0, 0.4, 0.1], dtype=f64),
+               "ref_rewards": torch.tensor([[0.0, 0.6], [0.2, 1.0], [0.3, 0.5]], dtype=f64)}
+    plugins = [ORPO(), RPO(RPOParams(chosen_reward_column="chosen_reward", rejected_reward_column="rejected_reward")),
+               QRPO(QRPOParams(chosen_reward_column="chosen_reward", rejected_reward_column="rejected_reward",
+                               ref_rewards_column="ref_rewards"))]
+
+    def figures_of(rows):
+        out = {}
+        for plugin in plugins:
+            pref = PreferenceInputs(chosen_logps=chosen[rows], rejected_logps=rejected[rows],
+                                    chosen_lengths=lengths[rows], rejected_lengths=lengths[rows],
+                                    ref_chosen_logps=chosen[rows] + 1, ref_rejected_logps=rejected[rows] - 1,
+                                    beta=0.1, batch={k: v[rows] for k, v in rewards.items()})
+            plugin.trl_ext_preference_loss(inputs=pref)
+            out.update(pref.metrics)
+        return out
+
+    both = one_process(figures_of(slice(0, 3)))
+    assert both["orpo/nll_loss"] == pytest.approx(31 / 21)  # token mean of the chosen tokens, not 30/20 (rank 0's)
+    assert both["rpo/target_gap"] == pytest.approx(1.9 / 3)
+    assert {"qrpo/chosen_quantile_reward", "rpo/policy_gap", "orpo/log_odds_ratio"} <= set(both)
+    for logged in logged_on_every_rank(lambda r: figures_of(slice(0, 2) if r == 0 else slice(2, 3))):
+        assert logged == pytest.approx(both)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trl_ext import NoParams, hookimpl
+from trl_ext import metrics as figures
 from trl_ext_plugins.preference.common import PreferenceLoss
 from trl_ext_plugins.preference.math import log_odds, orpo_odds_ratio_loss
 
@@ -31,6 +32,7 @@ class ORPO(PreferenceLoss):
         nll = -inputs.chosen_logps * batch_size / inputs.chosen_lengths.sum().clamp(min=1)
         odds_ratio = orpo_odds_ratio_loss(inputs.chosen_mean_logps, inputs.rejected_mean_logps)
         ratio = (log_odds(inputs.chosen_mean_logps) - log_odds(inputs.rejected_mean_logps)).detach()
-        inputs.metrics["orpo/nll_loss"] = nll.detach().mean().item()
-        inputs.metrics["orpo/log_odds_ratio"] = ratio.mean().item()
+        # over every rank's pairs (figure parts the trainer reduces): the NLL is a token mean of the chosen tokens
+        inputs.metrics["orpo/nll_loss"] = figures.mean(-inputs.chosen_logps.detach().sum(), inputs.chosen_lengths.sum())
+        inputs.metrics["orpo/log_odds_ratio"] = figures.mean(ratio.sum(), ratio.numel())
         return nll + inputs.beta * odds_ratio

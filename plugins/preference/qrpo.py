@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
+from trl_ext import metrics as figures
 from trl_ext_plugins.preference.common import Column, PreferenceLoss
 from trl_ext_plugins.preference.math import qrpo_log_partition, qrpo_loss, quantile_reward
 
@@ -110,6 +111,7 @@ class QRPO(PreferenceLoss):
                                        ("rejected", inputs.rejected_logps, inputs.ref_rejected_logps)):
             reward = inputs.batch[getattr(self.params, f"{side}_reward_column")].to(logps)
             r_q = quantile_reward(reward, ref_rewards)
-            inputs.metrics[f"qrpo/{side}_quantile_reward"] = r_q.mean().item()
+            # the mean over every rank's pairs (figure parts the trainer reduces)
+            inputs.metrics[f"qrpo/{side}_quantile_reward"] = figures.mean(r_q.sum(), r_q.numel())
             losses.append(qrpo_loss(r_q, logps - ref_logps, inputs.beta, log_z))
         return (losses[0] + losses[1]) / 2

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
+from trl_ext import metrics as figures
 from trl_ext_plugins.preference.common import Column, PreferenceLoss
 from trl_ext_plugins.preference.math import rpo_bwd_kl_loss, rpo_fwd_kl_loss, rpo_sq_loss
 
@@ -47,6 +48,7 @@ class RPO(PreferenceLoss):
         chosen_reward = inputs.batch[self.params.chosen_reward_column].to(policy_gap)
         rejected_reward = inputs.batch[self.params.rejected_reward_column].to(policy_gap)
         target_gap = self.params.eta * (chosen_reward - rejected_reward)
-        inputs.metrics["rpo/target_gap"] = target_gap.mean().item()
-        inputs.metrics["rpo/policy_gap"] = policy_gap.detach().mean().item()
+        # means over every rank's pairs (figure parts the trainer reduces)
+        inputs.metrics["rpo/target_gap"] = figures.mean(target_gap.sum(), target_gap.numel())
+        inputs.metrics["rpo/policy_gap"] = figures.mean(policy_gap.detach().sum(), policy_gap.numel())
         return _FORMS[self.params.form](policy_gap, target_gap)

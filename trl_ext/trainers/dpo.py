@@ -17,6 +17,7 @@ import contextlib
 import torch
 from trl import DPOTrainer, KTOTrainer
 
+from trl_ext import metrics as figures
 from trl_ext.batches import PreferenceInputs
 from trl_ext.plugin import Need, Slot
 from trl_ext.trainers.base import HostMixin
@@ -98,7 +99,7 @@ class ExtDPOTrainer(HostMixin, DPOTrainer):
         loss = per_example.mean()
         if self.aux_loss_enabled:  # TRL's DPO adds router_aux_loss_coef * aux_loss; keep it on the plugin path
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss
-            pref.metrics["aux_loss"] = outputs.aux_loss.detach().item()
+            pref.metrics["aux_loss"] = figures.mean(outputs.aux_loss.detach(), 1.0)  # mean over ranks, as TRL
         self._log_preference_metrics(pref)
         return loss
 
