@@ -220,3 +220,20 @@ def test_preference_plugin_figures_cover_both_ranks_pairs():
     assert {"qrpo/chosen_quantile_reward", "rpo/policy_gap", "orpo/log_odds_ratio"} <= set(both)
     for logged in logged_on_every_rank(lambda r: figures_of(slice(0, 2) if r == 0 else slice(2, 3))):
         assert logged == pytest.approx(both)
+
+
+def test_mtp_depth_figures_are_token_means_over_both_ranks():
+    from trl_ext.trainers.mtp import DepthOutput, mtp_loss
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 4, 5), torch.randn(2, 4, 5)
+    labels = target.argmax(-1)
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])  # 3 positions on rank 0, 1 on rank 1
+
+    def figures_of(rows):
+        out = DepthOutput(logits=logits[rows], target_logits=target[rows], labels=labels[rows], mask=mask[rows])
+        return mtp_loss([out], "hard")[1]
+
+    both = one_process(figures_of(slice(0, 2)))
+    for logged in logged_on_every_rank(lambda r: figures_of(slice(r, r + 1))):
+        assert logged == pytest.approx(both)

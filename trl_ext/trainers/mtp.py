@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
 
+from trl_ext import metrics as figures
 from trl_ext.trainers.base import HostMixin
 
 MTP_LOSSES = ("soft", "hard")
@@ -381,8 +382,9 @@ def depth_outputs(heads, hidden: torch.Tensor, policy_logits: torch.Tensor, inpu
     return outputs
 
 
-def mtp_loss(outputs: list[DepthOutput], kind: str) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean over depths of the per-depth loss; also each depth's loss and top-1 agreement with the policy."""
+def mtp_loss(outputs: list[DepthOutput], kind: str) -> tuple[torch.Tensor, dict[str, figures.Summed]]:
+    """Mean over depths of the per-depth loss; also each depth's loss and top-1 agreement with the policy, as token
+    means over every rank's positions (figure parts, :func:`trl_ext.metrics.reduce_figures` gives the floats)."""
     if kind not in MTP_LOSSES:
         raise ValueError(f"mtp_loss must be one of {MTP_LOSSES}, got {kind!r}")
     losses, metrics = [], {}
@@ -393,8 +395,9 @@ def mtp_loss(outputs: list[DepthOutput], kind: str) -> tuple[torch.Tensor, dict[
             loss = hard_cross_entropy(out.logits, out.labels, out.mask)
         losses.append(loss)
         agree = (out.logits.argmax(-1) == out.target_logits.argmax(-1)) & out.mask
-        metrics[f"mtp/depth{k + 1}_loss"] = loss.item()
-        metrics[f"mtp/depth{k + 1}_top1_agreement"] = (agree.sum() / out.mask.sum().clamp(min=1)).item()
+        count = out.mask.sum()
+        metrics[f"mtp/depth{k + 1}_loss"] = figures.mean(loss.detach() * count, count)  # the loss is sum / count
+        metrics[f"mtp/depth{k + 1}_top1_agreement"] = figures.mean(agree.sum(), count)
     return torch.stack(losses).mean(), metrics
 
 
@@ -507,8 +510,7 @@ class ExtMtpTrainer(HostMixin, Trainer):
         hidden, policy_logits = trunk_forward(self.policy, inputs["input_ids"], inputs["attention_mask"])
         outputs = depth_outputs(model, hidden, policy_logits, inputs["input_ids"], inputs["target_mask"])
         loss, metrics = mtp_loss(outputs, self.args.mtp_loss)
-        for key, value in metrics.items():
-            self._metrics["train" if model.training else "eval"][key].append(value)
+        self._log_plugin_metrics(metrics)  # reduced over every rank: TRL/Trainer log rank 0's buffers
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
