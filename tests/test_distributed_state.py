@@ -391,11 +391,13 @@ def test_self_play_solver_rows_are_sampled_on_the_main_process_and_shared(monkey
     record = {"self_play/generated": 4, "self_play/valid": 2, "self_play/kept": 1}
     monkeypatch.setattr(SelfPlay, "_solver_rows", lambda self, dataset, stage: (rows, record))
     params = SelfPlay.Params(role="solver", partner="unused")
-    main = SelfPlay(params).trl_ext_prepare_dataset(dataset=prompts, split="train", stage=None)
+    # one prompt per generation batch over the two ranks (4 x 2 / 8), so the single kept row fills one batch
+    stage = SimpleNamespace(trainer="grpo", args={"per_device_train_batch_size": 4, "num_generations": 8})
+    main = SelfPlay(params).trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage)
     ranks.rank = 1
     monkeypatch.setattr(SelfPlay, "_solver_rows", lambda self, dataset, stage: pytest.fail("rank 1 sampled"))
     plugin = SelfPlay(params)
-    assert plugin.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=None).to_list() == main.to_list()
+    assert plugin.trl_ext_prepare_dataset(dataset=prompts, split="train", stage=stage).to_list() == main.to_list()
     assert plugin.history == [record]
 
 
