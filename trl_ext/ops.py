@@ -12,6 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+# TRL loss types whose objective is the per-token PPO clip (TRL logs clip_ratio/* for them; m2po's ppo_active needs it)
+PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
 LOG_RATIO_CLAMP = 20.0
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext import Plugin, PluginParams, Slot, hookimpl, ops
 from trl_ext import metrics as figures
 from trl_ext.batches import TokenWeights
 from trl_ext_plugins.corrections import math
@@ -19,10 +19,6 @@ class M2POParams(PluginParams):
         "paper, AReaL). ppo_active: only the tokens the PPO clip leaves active (ratio pi_theta/pi_old inside the "
         "clip on the side of the advantage's sign, args.epsilon/epsilon_high); clipped tokens, whose gradient the clip "
         "already removes, are never masked and do not count in M2.")
-
-
-# TRL loss types whose default objective is the per-token PPO clip (at importance_sampling_level token)
-PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 class M2PO(Plugin):
@@ -59,7 +55,7 @@ class M2PO(Plugin):
         else:
             loss_type = stage.args.get("loss_type", "dapo")
             token = stage.args.get("importance_sampling_level", "token") == "token"
-            bad = [] if loss_type in PPO_CLIP_LOSS_TYPES and token else [f"loss_type {loss_type!r}" + (
+            bad = [] if loss_type in ops.PPO_CLIP_LOSS_TYPES and token else [f"loss_type {loss_type!r}" + (
                 "" if token else " at importance_sampling_level 'sequence'")]
         return [f"plugins.{self.name}.scope: 'ppo_active' assumes the per-token PPO clip (grpo, dr_grpo, dapo, "
                 f"clip_higher), but the objective is {name}; use scope 'all'" for name in bad] or None

@@ -60,9 +60,6 @@ def global_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, ctx) -> 
     return ops.where_mask(per_token_loss, mask).sum() / normalizer
 
 
-# TRL loss types whose objective is the PPO clip, for which TRL logs ``clip_ratio/*``.
-PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-
 DEFAULT_AGGREGATIONS = {
     "grpo": lambda l, m, c: scale_per_micro_batch(ops.seq_mean_token_mean(l, m), c),
     "sapo": lambda l, m, c: scale_per_micro_batch(ops.seq_mean_token_mean(l, m), c),
@@ -424,7 +421,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         objectives = [p for p in self.plugin_host.plugins if "trl_ext_policy_loss" in p.implemented_hooks()]
         if objectives:
             return all(getattr(p, "token_ppo_clip", False) for p in objectives)
-        return self.loss_type in PPO_CLIP_LOSS_TYPES
+        return self.loss_type in ops.PPO_CLIP_LOSS_TYPES
 
     def _clip_ratio_metrics(self, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict:
         """TRL's ``clip_ratio/*`` metrics with TRL's definitions: a token is low-clipped when ``r < 1 - eps_low`` and
