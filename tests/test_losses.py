@@ -150,6 +150,47 @@ def test_token_mean_is_global_and_accumulation_aware():
     assert value.item() == pytest.approx(6 / 24)  # 4 micro-batches of 6 tokens sum to 1
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "batch-token-mean", "token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_filtered_rows_leave_every_denominator_as_if_removed(mode):
+    # Four rows of which two were filtered by trl_ext_filter_groups (zero mask): with kept_row_fraction 0.5 every mode
+    # gives what it gives on the two kept rows alone, in two micro-batches of a generation batch whose global token
+    # count is that of the kept rows (as the trainer recomputes it). The kept rows sit one in each micro-batch.
+    losses = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0], [5.0, 7.0, 9.0], [4.0, 4.0, 4.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=D)
+    plugin = agg.Aggregation(agg.Aggregation.Params(mode=mode))
+
+    def value(rows, fraction, micro_batches):
+        total = 0.0
+        for part in torch.tensor(rows).chunk(micro_batches):
+            li = make_inputs(torch.zeros(len(part), 3), mask=mask[part])
+            li.training, li.grad_accum_steps, li.steps_per_generation = True, micro_batches, micro_batches
+            li.num_items_in_batch, li.kept_row_fraction = mask[rows].sum(), fraction
+            total += plugin.trl_ext_aggregate_loss(per_token_loss=losses[part], mask=mask[part], inputs=li).item()
+        return total
+
+    assert value([0, 1, 2, 3], 0.5, 2) == pytest.approx(value([0, 2], 1.0, 2))
+    if mode.startswith("seq-mean"):  # the row count used to include the filtered rows: half the kept rows' value
+        assert value([0, 1, 2, 3], 1.0, 2) == pytest.approx(0.5 * value([0, 2], 1.0, 2))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "dr_grpo", "bnpo", "dapo"])
+def test_trl_loss_types_divide_by_the_kept_rows(loss_type):
+    from trl_ext.trainers.grpo import DEFAULT_AGGREGATIONS
+
+    losses = torch.tensor([[1.0, 3.0], [2.0, 2.0], [6.0, 0.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1], [0, 0], [1, 0]], dtype=D)
+    filtered = make_inputs(torch.zeros(3, 2), mask=mask)
+    filtered.kept_row_fraction = 2 / 3
+    kept = make_inputs(torch.zeros(2, 2), mask=mask[[0, 2]])
+    aggregate = DEFAULT_AGGREGATIONS[loss_type]
+    assert aggregate(losses, mask, filtered).item() == pytest.approx(aggregate(losses[[0, 2]], mask[[0, 2]],
+                                                                                kept).item())
+    # seq-mean-token-mean of the kept rows: (2 + 6) / 2; Dr. GRPO: 10 / (2 rows * L = 2); token means: 10 / 3
+    expected = {"grpo": 4.0, "sapo": 4.0, "dr_grpo": 2.5, "bnpo": 10 / 3, "dapo": 10 / 3}[loss_type]
+    assert aggregate(losses, mask, filtered).item() == pytest.approx(expected)
+
+
 # -- GSPO -------------------------------------------------------------------------------------------------------------
 
 

@@ -136,6 +136,47 @@ def test_cap_on_rounds_keeps_the_batch_and_masks_the_dropped_groups(tiny_trainer
     assert int(output["completion_mask"].sum()) == 0 and int(output["num_items_in_batch"]) == 0
 
 
+def _rows_of(output: dict, rows: torch.Tensor) -> dict:
+    """``output`` restricted to ``rows``, as a batch that never held the other rows (no filter share recorded)."""
+    kept = {key: value[rows] if isinstance(value, torch.Tensor) and value.dim() >= 1 else value
+            for key, value in output.items() if key != "kept_row_fraction"}
+    kept["num_items_in_batch"] = kept["completion_mask"].sum()
+    return kept
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_filtered_groups_leave_the_sequence_count_of_the_loss(tiny_trainer, loss_type):
+    # One round, filter only: the even prompt's group has no reward variance and is masked. The loss of the batch, and
+    # its gradient, must be those of the odd prompt's group alone: a sequence mean that still counted the masked rows
+    # (TRL's grpo loss on this batch) gave half of it.
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    even = next(i for i in range(len(data)) if int(data[i]["answer"]) % 2 == 0)
+    odd = next(i for i in range(len(data)) if int(data[i]["answer"]) % 2 == 1)
+    plugin = DynamicSampling(DynamicSampling.Params(max_rounds=1))
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data, reward_funcs=[odd_sum_varies],
+                           args={"per_device_train_batch_size": 2 * G, "num_generations": G, "temperature": 1.0,
+                                 "loss_type": loss_type, "epsilon": 1e9})
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop
+    torch.manual_seed(0)
+    output = trainer._generate_and_score_completions(_rows(data, [even, odd]))
+    assert float(output["kept_row_fraction"]) == 0.5
+    # a nonzero ratio: the loss is then a real function of the policy (with pi_old = pi it is 0 in value)
+    output["old_per_token_logps"] = torch.full_like(output["completion_mask"], -1.0, dtype=torch.float32)
+
+    def loss_and_grad(batch):
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+    full_loss, full_grad = loss_and_grad(output)
+    kept_loss, kept_grad = loss_and_grad(_rows_of(output, torch.arange(G, 2 * G)))
+    assert full_loss == pytest.approx(kept_loss, rel=1e-5) and kept_loss != 0.0
+    assert kept_grad.abs().max() > 1e-4
+    torch.testing.assert_close(full_grad, kept_grad, rtol=1e-4, atol=1e-7)
+
+
 def test_cap_with_on_cap_error_raises_as_verl(tiny_trainer):
     full = arithmetic_dataset("train", format="prompt", size=64)
     even = full.filter(lambda row: int(row["answer"]) % 2 == 0)  # every group has zero variance
@@ -195,6 +236,19 @@ def test_group_of_one_is_refused():
                       plugins=["dynamic_sampling", "exact_match"], args={"num_generations": 1})
     with pytest.raises(RecipeError, match="dynamic_sampling.*num_generations"):
         resolve_stage(stage, 0, Catalog.discover())
+
+
+def test_a_sequence_mean_loss_with_group_filters_refuses_what_the_loss_pipeline_lacks():
+    # filtered rows leave grpo's sequence count only in trl-ext's loss pipeline, which has no entropy bonus: refused
+    # up front, not dropped at the first filtered batch; token-mean (dapo) keeps TRL's loss and the option
+    def stage(loss_type):
+        return StageSpec(trainer="grpo", model="embedded:tiny-qwen2", dataset="embedded:arithmetic",
+                         plugins=["dynamic_sampling", "exact_match"],
+                         args={"loss_type": loss_type, "entropy_coef": 0.01})
+
+    with pytest.raises(RecipeError, match=r"args\.entropy_coef: not supported .*dynamic_sampling"):
+        resolve_stage(stage("grpo"), 0, Catalog.discover())
+    resolve_stage(stage("dapo"), 0, Catalog.discover())
 
 
 @pytest.mark.parametrize("name", ["dynamic_sampling", "dapo"])

@@ -216,10 +216,12 @@ def _loss_inputs(output):
 def test_group_stop_unit_trains_at_least_lambda_of_the_groups(tiny_trainer):
     trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.5, stop_unit="groups")
     torch.manual_seed(2)
-    trainer._generate_and_score_completions(_rows(data, 0))
+    output = trainer._generate_and_score_completions(_rows(data, 0))
     record = plugin.history[-1]
     # ceil(0.5 * 4) = 2 of the 4 groups complete: it stopped in the step the second group completed
     assert record["partial_rollout/trained_fraction"] >= 0.5 and len(plugin.buffer) <= 2
+    # the deferred groups leave the loss's row count too (sequence-mean aggregations divide by the trained rows)
+    assert float(output["kept_row_fraction"]) == record["partial_rollout/trained_fraction"] < 1.0
     unfinished = [s for g in plugin.buffer for s in g.samples if not s.finished]
     assert all(len(s.ids) == record["partial_rollout/generation_steps"] for s in unfinished)
     # the same seed under the trajectory rule (ceil(0.5 * 16) = 8 rows): two complete groups hold 8 finished rows, so

@@ -64,6 +64,10 @@ class AggregationContext:
     training: bool
     loss_type: str  # the TRL config's loss_type (the default aggregation)
     max_completion_length: int | None  # constant normaliser for Dr. GRPO-style aggregation
+    # Rows trl_ext_filter_groups kept / all rows of the generation batch (every rank). Filtered rows are masked, not
+    # removed, so an aggregation that divides by the micro-batch's row count (seq-mean-*, Dr. GRPO's B * L) divides
+    # by this share of it: a filtered row then leaves the row count as its tokens leave token counts.
+    kept_row_fraction: float = field(default=1.0, kw_only=True)
 
 
 @dataclass

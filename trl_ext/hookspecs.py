@@ -255,7 +255,9 @@ def trl_ext_filter_groups(rewards: torch.Tensor, batch: RolloutBatch) -> torch.T
 
     Called on every rank after reward shaping with the gathered total rewards ``(N_global,)``. Return a bool tensor
     ``(N_global,)`` (``True`` = keep), or ``None`` to keep everything. Dropped samples get zero advantage and zero
-    loss weight; they still count in no denominator (their completion mask is zeroed).
+    loss weight; they count in no denominator: their completion mask is zeroed (token counts), and aggregations that
+    divide by the row count (``grpo``, ``sapo``, ``dr_grpo``, the ``seq-mean-*`` modes) divide by the kept share of
+    it (``LossInputs.kept_row_fraction``), as if the rows had been removed from the batch.
 
     Composition: the masks are AND-ed. Since 0.1.
     """

@@ -13,7 +13,13 @@ def _grpo_helpers():
     # The trainer module imports TRL's GRPOTrainer; import it only when a loss is computed, not at catalog discovery.
     from trl_ext.trainers import grpo
 
-    return grpo.global_token_mean, grpo.scale_per_micro_batch
+    return grpo.global_token_mean, grpo.scale_per_micro_batch, grpo.per_kept_row
+
+
+def _per_row(loss, li):
+    """Micro-batch scaling for an aggregation that divides by the row count: over the rows group filters kept."""
+    _, scale, per_kept_row = _grpo_helpers()
+    return scale(per_kept_row(loss, li), li)
 
 
 def _token_mean(loss, mask, li, constant):
@@ -29,15 +35,15 @@ def _token_sum(loss, mask, li, constant):
 
 
 def _seq_mean_token_mean(loss, mask, li, constant):
-    return _grpo_helpers()[1](ops.seq_mean_token_mean(loss, mask), li)
+    return _per_row(ops.seq_mean_token_mean(loss, mask), li)
 
 
 def _seq_mean_token_sum(loss, mask, li, constant):
-    return _grpo_helpers()[1](ops.seq_mean_token_sum(loss, mask), li)
+    return _per_row(ops.seq_mean_token_sum(loss, mask), li)
 
 
 def _seq_mean_token_sum_norm(loss, mask, li, constant):
-    return _grpo_helpers()[1](ops.constant_normalized(loss, mask, constant or li.max_completion_length), li)
+    return _per_row(ops.constant_normalized(loss, mask, constant or li.max_completion_length), li)
 
 
 # mode -> (per_token_loss, mask, inputs, constant) -> scalar, already scaled for gradient accumulation
@@ -73,7 +79,9 @@ class Aggregation(Plugin):
     GSPO, SAPO; TRL ``grpo``), ``seq-mean-token-sum`` (``(1/B) sum_i sum_t l``; verl) and ``seq-mean-token-sum-norm``
     (Dr. GRPO arXiv 2503.20783: ``(1/B) sum_i sum_t l / L`` with constant L, default ``args.max_completion_length``;
     TRL ``dr_grpo``; verl's variant lacks 1/B). All but ``token-mean`` are per micro-batch and divided by the gradient
-    accumulation steps (TRL's scaling). Masked tokens (completion padding, tool tokens, and token masks from corrections
+    accumulation steps (TRL's scaling). The three ``seq-mean-*`` modes divide by the micro-batch's rows that group
+    filters kept (``trl_ext_filter_groups``: dynamic sampling, deferred partial rollouts), as if filtered rows had been
+    removed from the batch, as verl and slime remove them. Masked tokens (completion padding, tool tokens, and token masks from corrections
     such as ``m2po``) count in no denominator: for ``token-mean`` the global count is the mask-aware one the loss
     pipeline computes (``trl_ext.trainers.grpo.mask_aware_token_count``); zero *weights* (``icepop``, ``tis``, ``mis``)
     keep their tokens in it (convention 8). Without this plugin the trainer aggregates as TRL does for

@@ -13,7 +13,7 @@ from trl_ext_plugins.rollout.math import group_has_signal, nonzero_variance_grou
 
 LEFT_PADDED = ("prompt_ids", "prompt_mask")  # every other (B, T) tensor of TRL's rollout dict is right-padded
 TOKEN_IDS = ("prompt_ids", "completion_ids")  # padded with the pad token; everything else with 0
-RECOMPUTED = ("num_items_in_batch",)  # scalar over the whole batch: recomputed after the merge
+RECOMPUTED = ("num_items_in_batch", "kept_row_fraction")  # scalars over the whole batch: recomputed after the merge
 
 
 class DynamicSamplingParams(PluginParams):
@@ -138,7 +138,9 @@ class DynamicSampling(Plugin):
         trainer._log_plugin_metrics(record)
         if len(rounds) == 1:  # nothing to merge: dropped groups are already masked by the host
             return rounds[0][0]
-        return merge_rounds(trainer, [output for output, _ in rounds], chosen, G, len(inputs))
+        kept_rows = sum(int(rounds[r][1][g * G:(g + 1) * G].sum()) for r, g in chosen)
+        return merge_rounds(trainer, [output for output, _ in rounds], chosen, G, len(inputs),
+                            kept_rows / (len(chosen) * G))
 
     def _new_rows(self, trainer, inputs, round_index, n_prompts=None):
         """This rank's slice of a fresh generation of ``n_prompts`` prompts (default: as many as the generation batch)
@@ -174,8 +176,11 @@ def micro_step(trainer) -> int:
 
 
 def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], num_generations: int,
-                 local_size: int) -> dict:
+                 local_size: int, kept_row_fraction: float = 1.0) -> dict:
     """Assemble the chosen ``(round, group)`` groups of several rounds' rollout dicts into this rank's slice.
+
+    ``kept_row_fraction`` is the share of the chosen rows the group filters kept (left-over groups that complete a
+    batch at ``max_rounds`` are masked), written as the merged batch's ``kept_row_fraction``.
 
     Every tensor is gathered from all ranks (padded to a common width, left for prompt tensors, right otherwise; a
     tensor over the ``P + C`` positions of the model input is split there and each side padded as its kind, with 0),
@@ -222,6 +227,8 @@ def merge_rounds(trainer, outputs: list[dict], chosen: list[tuple[int, int]], nu
         merged[key] = torch.cat(merged_sides, dim=1) if len(merged_sides) > 1 else merged_sides[0]
     loss_mask = merged["completion_mask"] * merged.get("tool_mask", 1)
     merged["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()
+    if kept_row_fraction < 1.0:
+        merged["kept_row_fraction"] = torch.tensor(kept_row_fraction, device=loss_mask.device)
     return merged
 
 

@@ -120,7 +120,8 @@ class PartialRollout(Plugin):
 
     * the unit of buffering is the prompt group (GRPO advantages need whole groups): a group trains in the step in
       which its last trajectory finishes; groups still unfinished get zero advantage and a zero completion mask in
-      this step (``trl_ext_filter_groups``), so they leave every token count. A step therefore trains fewer samples
+      this step (``trl_ext_filter_groups``), so they leave every token count and the row count of sequence-mean
+      aggregations (``grpo``, ``dr_grpo``: the step is the mean over the trained rows). A step therefore trains fewer samples
       than the batch holds (``partial_rollout/trained_fraction``: 0.46-0.66 at lambda 0.75 on the embedded addition
       task), so learning compares per trained trajectory, not per step (``benchmarks/partial_rollout.py --held-out``;
       measured below);

@@ -47,6 +47,19 @@ def scale_per_micro_batch(loss: torch.Tensor, ctx) -> torch.Tensor:
     return loss / (ctx.grad_accum_steps if ctx.training else 1.0)
 
 
+def per_kept_row(loss: torch.Tensor, ctx) -> torch.Tensor:
+    """A micro-batch loss normalised by its row count, re-based on the rows ``trl_ext_filter_groups`` kept.
+
+    Filtered rows (a group without reward variance, a group ``partial_rollout`` defers) keep their place in the
+    micro-batch with a zero mask, so a mean over sequences still counted them, each adding 0: at a kept share ``f``
+    the step was ``f`` times the one the kept rows alone give, which verl and slime (which remove such rows) and
+    token-mean (whose count drops their tokens) do not do. Dividing by ``f`` (the generation batch's kept share,
+    ``AggregationContext.kept_row_fraction``) makes the sum over micro-batches and ranks the mean over kept rows.
+    """
+    fraction = float(ctx.kept_row_fraction)
+    return loss / fraction if fraction > 0 else loss  # nothing kept: every row is masked and the loss is 0 anyway
+
+
 def global_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, ctx) -> torch.Tensor:
     """Token-mean over the whole generation batch on all ranks (DAPO; TRL ``dapo``/``cispo``): sum / global tokens.
 
@@ -61,13 +74,19 @@ def global_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor, ctx) -> 
 
 
 DEFAULT_AGGREGATIONS = {
-    "grpo": lambda l, m, c: scale_per_micro_batch(ops.seq_mean_token_mean(l, m), c),
-    "sapo": lambda l, m, c: scale_per_micro_batch(ops.seq_mean_token_mean(l, m), c),
+    "grpo": lambda l, m, c: scale_per_micro_batch(per_kept_row(ops.seq_mean_token_mean(l, m), c), c),
+    "sapo": lambda l, m, c: scale_per_micro_batch(per_kept_row(ops.seq_mean_token_mean(l, m), c), c),
     "bnpo": lambda l, m, c: scale_per_micro_batch(ops.token_mean(l, m), c),
-    "dr_grpo": lambda l, m, c: scale_per_micro_batch(ops.constant_normalized(l, m, c.max_completion_length), c),
+    "dr_grpo": lambda l, m, c: scale_per_micro_batch(
+        per_kept_row(ops.constant_normalized(l, m, c.max_completion_length), c), c),
     "dapo": global_token_mean,
     "cispo": global_token_mean,
 }
+# TRL loss types whose aggregation divides by the row count; TRL's own loss cannot leave filtered rows out of it, so a
+# batch with filtered rows trains them through the pipeline (``ExtGRPOTrainer._compute_loss``).
+ROW_NORMALIZED_LOSS_TYPES = frozenset({"grpo", "sapo", "dr_grpo"})
+KEPT_ROW_FRACTION = "kept_row_fraction"  # rollout dict key: the generation batch's kept share of rows (0-dim tensor)
+
 
 def trl_ratio(li: LossInputs, importance_sampling_level: str = "token") -> torch.Tensor:
     """TRL's importance ratio pi_theta/pi_old: per token, or the length-normalised sequence ratio (GSPO) when
@@ -186,6 +205,9 @@ def routes_loss_through_pipeline(plugin, args: dict) -> bool:
     drops the loss KL), which :meth:`ExtGRPOTrainer._compute_loss` also routes to the pipeline."""
     if any(h in plugin.implemented_hooks() for h in LOSS_HOOKS):
         return True
+    if "trl_ext_filter_groups" in plugin.implemented_hooks() and args.get("loss_type", "dapo") in \
+            ROW_NORMALIZED_LOSS_TYPES:
+        return True  # filtered rows must leave the row count (per_kept_row), which TRL's loss does not do
     uses = getattr(plugin, "uses_loss_pipeline", None)
     return bool(uses(args)) if callable(uses) else False
 
@@ -324,6 +346,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             output["completion_mask"] = output["completion_mask"] * local_keep.unsqueeze(1)
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+            output[KEPT_ROW_FRACTION] = keep.float().mean()
             batch.metrics["groups/kept_fraction"] = keep.float().mean().item()
         self._log_plugin_metrics(batch.metrics)
         return output, keep
@@ -332,7 +355,9 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         with self._forward_contexts("train", model, inputs):
-            if self.kl_term.is_trl() and not any(self.plugin_host.implements(h) for h in LOSS_HOOKS):
+            rows_filtered = float(inputs.get(KEPT_ROW_FRACTION, 1.0)) < 1.0
+            if (self.kl_term.is_trl() and not any(self.plugin_host.implements(h) for h in LOSS_HOOKS)
+                    and not (rows_filtered and self.loss_type in ROW_NORMALIZED_LOSS_TYPES)):
                 return super()._compute_loss(model, inputs)
             self._check_loss_pipeline_args()
             return self._plugin_loss(model, inputs)
@@ -364,6 +389,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         training = self.model.training
         li = LossInputs(
             num_items_in_batch=inputs["num_items_in_batch"],
+            kept_row_fraction=float(inputs.get(KEPT_ROW_FRACTION, 1.0)),
             grad_accum_steps=self.current_gradient_accumulation_steps if training else 1,
             steps_per_generation=self.args.steps_per_generation,
             num_processes=self.accelerator.num_processes,
