@@ -229,12 +229,9 @@ def _sampling_key(model: str, prompts: list, params: MtpHeadsParams, seed: int) 
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    import os
+    from trl_ext.files import write_text_atomic
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -15,6 +14,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
 
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
 from trl_ext.batches import TokenWeights
+from trl_ext.files import write_text_atomic
 from trl_ext_plugins.rollout.control_math import finish_target, stale_token_mask, versions_per_trajectory
 from trl_ext_plugins.rollout.math import trained_group_rewards
 from trl_ext_plugins.rollout.rollout_logprobs import generate_single_turns_with, recording_logprobs
@@ -422,11 +422,9 @@ class PartialRolloutCheckpoint(TrainerCallback):
         return Path(args.output_dir) / f"checkpoint-{step}" / BUFFER_FILE.format(rank=rank)
 
     def on_save(self, args, state, control, **kwargs):
-        path = self._path(args, state.global_step, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.plugin.buffer_state(), default=str))
-        os.replace(tmp, path)  # atomic: a checkpoint never holds half a buffer
+        # atomic and flushed to disk: a checkpoint never holds half a buffer
+        write_text_atomic(self._path(args, state.global_step, self.rank),
+                          json.dumps(self.plugin.buffer_state(), default=str))
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer, TrainingArguments
 
 from trl_ext import metrics as figures
+from trl_ext.files import write_text_atomic
 from trl_ext.trainers.base import HostMixin
 
 MTP_LOSSES = ("soft", "hard")
@@ -320,7 +321,7 @@ def write_heads(model: PreTrainedModel, heads, directory: str | os.PathLike) -> 
         save_file(tensors, str(directory / shard), metadata={"format": "pt"})
         index = json.loads(index_path.read_text())
         index["weight_map"].update({key: shard for key in tensors})
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
+        write_text_atomic(index_path, json.dumps(index, indent=2, sort_keys=True))  # never half an index
         return
     path = directory / "model.safetensors"
     state = load_file(str(path))
