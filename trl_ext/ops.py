@@ -122,7 +122,8 @@ def kl_k3(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> t
 
 def seq_mean_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over each sequence's tokens, then over sequences (GRPO paper, GSPO, SAPO; TRL ``grpo``). Every row counts
-    in the mean over sequences, also one whose tokens are all masked (it contributes 0), as TRL."""
+    in the mean over sequences, also one whose tokens are all masked (it contributes 0), as TRL; rows a group filter
+    masked are taken out of that count by the caller (``trl_ext.trainers.grpo.per_kept_row``)."""
     return (where_mask(per_token_loss, mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
