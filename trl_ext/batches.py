@@ -36,6 +36,10 @@ class RolloutBatch:
     prompt_mask: torch.Tensor | None = None  # (B, P)
     trainer: Any = None  # the trl-ext trainer, for plugins that must generate or score (e.g. ReMax, PPO critic)
     tool_mask: torch.Tensor | None = None  # (B, T) 0 on tool/observation tokens inside multi-turn completions
+    # (N,) bool, gathered: the rows trl_ext_filter_groups kept (AND of the filters), None when no filter answered; set
+    # before trl_ext_compute_advantages. Filtered rows are masked after the advantages, not removed, so a statistic
+    # over the whole batch (whitening, a batch mean or std, a running baseline) must leave them out itself.
+    keep: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # plugins add figures here; the host logs them
     # this rank's (B, ...) tensors a plugin hands to its loss hooks: split into micro-batches with the rollout and
     # passed as LossInputs.extra[key] (use a plugin-specific key prefix)

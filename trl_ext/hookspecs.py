@@ -291,6 +291,13 @@ def trl_ext_compute_advantages(rewards: torch.Tensor, batch: RolloutBatch) -> to
     rank's advantages, shape ``(B_local,)`` (one per sequence) or ``(B_local, T)`` (per token); use
     ``batch.process_slice`` to cut a globally computed tensor. Advantages are treated as constants (detached).
 
+    Filtered rows: ``batch.keep`` is the gathered bool ``(N_global,)`` mask of rows ``trl_ext_filter_groups`` kept
+    (``None`` when nothing filters). Filtered rows are still in ``rewards`` and in the token tensors (the host zeroes
+    their advantages and completion mask afterwards), so a statistic over the whole batch (global whitening, a batch
+    mean, std or running baseline, an advantage metric) must use only the kept rows, as if the filtered ones had been
+    removed (verl and slime remove them before computing advantages). Per-group statistics are unaffected by
+    filters that drop whole groups.
+
     Selection: first non-``None`` result wins; ``None`` keeps TRL's group-normalised advantage. Since 0.1.
     """
 

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from trl_ext import Plugin, PluginParams, Slot, hookimpl
 from trl_ext_plugins.advantages.math import group_advantages
-from trl_ext_plugins.advantages.rollout import local
+from trl_ext_plugins.advantages.rollout import kept_rewards, local
 
 
 class GroupNormParams(PluginParams):
@@ -42,10 +42,11 @@ class GroupNorm(Plugin):
     Defaults equal TRL 1.16's own advantage (group mean, unbiased group std, eps 1e-4; tested against TRL's formula):
     the plugin exists to *name* the alternatives, ALGORITHMS.md convention 1 (``std: population`` gives 1.732 instead
     of 1.5 for the top row of [1, 0, 0, 0]; ``epsilon: 1e-6`` is verl's; ``scale: batch`` is TRL's
-    ``scale_rewards=batch``; ``baseline: leave_one_out`` centres on the other rows). Unscorable rows get 0 and count in
-    no statistic; a zero-variance group gives 0. A group of one sample (``num_generations: 1``, which TRL allows only
-    in evaluation) gives 0 (TRL: R minus its own mean) or, with ``single_sample: raw``, verl's ``R / (1 + eps)`` (mean
-    0 and std 1 for a lone sample), whatever ``scale`` says.
+    ``scale_rewards=batch``; ``baseline: leave_one_out`` centres on the other rows). Unscorable rows, and rows
+    ``trl_ext_filter_groups`` dropped, get 0 and count in no statistic; a zero-variance group gives 0. A group of one
+    sample (``num_generations: 1``, which TRL allows only in evaluation) gives 0 (TRL: R minus its own mean) or,
+    with ``single_sample: raw``, verl's ``R / (1 + eps)`` (mean 0 and std 1 for a lone sample), whatever ``scale``
+    says.
     """
 
     name = "group_norm"
@@ -58,6 +59,7 @@ class GroupNorm(Plugin):
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
         p = self.params
-        out = group_advantages(rewards, batch.num_generations, scale=p.scale, std=p.std, baseline=p.baseline,
-                               eps=p.epsilon, single_sample=p.single_sample)
+        # rows a filter dropped count in no statistic (the batch std of scale: batch included)
+        out = group_advantages(kept_rewards(rewards, batch), batch.num_generations, scale=p.scale, std=p.std,
+                               baseline=p.baseline, eps=p.epsilon, single_sample=p.single_sample)
         return local(out, batch)

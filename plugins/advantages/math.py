@@ -8,6 +8,9 @@ Conventions pinned here (and tested in tests/test_advantages_math.py):
 * Whitening is over valid tokens of the *global* batch with the unbiased (N-1) variance and
   ``(x - mean) / sqrt(var + 1e-8)`` (verl's ``masked_whiten``); ``reduce`` sums a tensor over ranks (``None``: one
   process), so the same function gives the same numbers on one or many processes.
+* Rows a ``trl_ext_filter_groups`` plugin dropped stay in the batch (masked afterwards); a statistic over the whole
+  batch leaves them out: :func:`drop_filtered_rows` marks their rewards unscorable (NaN), :func:`kept_token_mask`
+  removes their tokens from a token mask (see ``RolloutBatch.keep``).
 * KL estimators per sampled token with ``d = log pi - log pi_ref``: k1 = d, k2 = d^2/2, k3 = e^-d - 1 + d.
 """
 
@@ -25,6 +28,26 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size}")
     return rewards.view(-1, group_size)
+
+
+# -- rows a filter dropped --------------------------------------------------------------------------------------------
+
+
+def drop_filtered_rows(rewards: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``rewards`` with the rows ``keep`` (bool, same rows) leaves out marked unscorable (NaN): every baseline, mean,
+    std and normalisation below already skips NaN rows and gives them 0, so a filtered row then counts in no
+    statistic of the batch, as if it had been removed (verl, slime). ``keep=None``: ``rewards`` unchanged."""
+    if keep is None:
+        return rewards
+    return torch.where(keep.to(rewards.device), rewards, torch.full_like(rewards, float("nan")))
+
+
+def kept_token_mask(mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Token ``mask`` ``(B, T)`` with the tokens of rows ``keep`` (``(B,)`` bool) leaves out set to 0, so a token-level
+    statistic (whitening, a token mean) runs over the kept rows only. ``keep=None``: ``mask`` unchanged."""
+    if keep is None:
+        return mask
+    return torch.where(keep.to(mask.device).unsqueeze(-1), mask, torch.zeros_like(mask))
 
 
 # -- sequence-level baselines ----------------------------------------------------------------------------------------

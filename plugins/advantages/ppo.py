@@ -21,6 +21,7 @@ from trl_ext_plugins.advantages.math import (
 from trl_ext_plugins.advantages.rollout import (
     RewardKLHooks,
     RewardKLParams,
+    kept_loss_mask,
     local,
     rank_reduce,
     reward_kl,
@@ -180,7 +181,10 @@ class PPO(RewardKLHooks, Plugin):
     def trl_ext_compute_advantages(self, rewards, batch):
         p = self.params
         trainer = batch.trainer
-        mask = batch.loss_mask  # completion tokens minus tool tokens, as the policy loss
+        # completion tokens minus tool tokens, as the policy loss, of the rows the filters kept: the whitening, the
+        # logged figures and the critic's update see no dropped group (verl removes them before all three); a group
+        # partial_rollout defers was scored on unfinished text, no target for the critic
+        mask = kept_loss_mask(batch)
         critic_inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         self.critic.eval()
         with torch.no_grad():

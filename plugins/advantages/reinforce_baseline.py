@@ -14,7 +14,7 @@ from trl_ext_plugins.advantages.math import (
     ema_update,
     group_mean_baseline,
 )
-from trl_ext_plugins.advantages.rollout import local
+from trl_ext_plugins.advantages.rollout import kept_rewards, local
 
 
 class ReinforceBaselineParams(PluginParams):
@@ -58,7 +58,8 @@ class ReinforceBaseline(Plugin):
     ``batch_mean``/``group_mean`` (which include the sample itself; ``rloo`` is the leave-one-out fix).
 
     Defaults: ``baseline: group_mean`` (TRL GRPO with ``scale_rewards: none`` gives the same numbers), EMA ``decay``
-    0.9, ``initial`` 0. Unscorable rows are left out of the means and get advantage 0. The moving average is plugin
+    0.9, ``initial`` 0. Unscorable rows, and rows ``trl_ext_filter_groups`` dropped, are left out of the means
+    (the moving average included) and get advantage 0. The moving average is plugin
     state kept identically on every rank (rewards are gathered), updated by training batches only (evaluation uses
     it without moving it); the main process saves it with every checkpoint and every rank restores it on resume
     (:class:`trl_ext.callbacks.PluginStateCheckpoint`), so a resumed run continues the uninterrupted run's baseline.
@@ -89,6 +90,7 @@ class ReinforceBaseline(Plugin):
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
+        rewards = kept_rewards(rewards, batch)  # rows a filter dropped move no batch mean and no running baseline
         baseline = BASELINES[self.params.baseline](rewards, batch, self)
         batch.metrics["advantages/baseline_mean"] = torch.nanmean(baseline).item()
         return local(baseline_advantages(rewards, baseline), batch)

@@ -15,6 +15,8 @@ from trl_ext_plugins.advantages.math import (
 from trl_ext_plugins.advantages.rollout import (
     RewardKLHooks,
     RewardKLParams,
+    kept_loss_mask,
+    kept_rewards,
     local,
     rank_reduce,
     reward_kl,
@@ -38,7 +40,8 @@ class ReinforcePP(RewardKLHooks, Plugin):
     token (k1 by default; k2/k3 selectable; optionally clamped to ``+-kl_clamp``, verl 10), returns
     ``G_t = sum_{s >= t} gamma^(s-t) r_s`` (gamma 1), then
     ``A_t = (G_t - mean) / std`` over the valid tokens of the *global* batch (all ranks; unbiased variance,
-    ``sqrt(var + 1e-8)``; verl's masked_whiten). Returns ``(B, T)`` advantages for a PPO-clip objective.
+    ``sqrt(var + 1e-8)``; verl's masked_whiten) of the rows ``trl_ext_filter_groups`` kept. Returns ``(B, T)``
+    advantages for a PPO-clip objective.
 
     Defaults (OpenRLHF): ``kl_coef`` 0.01, k1, gamma 1. The reference log-probs are computed whenever ``kl_coef > 0``
     (:class:`RewardKLHooks`): a recipe's non-zero ``args.beta`` also adds TRL's ``beta * k3`` KL term to the loss (as
@@ -59,7 +62,9 @@ class ReinforcePP(RewardKLHooks, Plugin):
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
-        mask = batch.loss_mask  # completion tokens minus tool tokens, as the policy loss
+        # completion tokens minus tool tokens, as the policy loss, of the rows the filters kept: whitening over the
+        # batch must not see the groups dynamic sampling drops or the unfinished ones partial_rollout defers
+        mask = kept_loss_mask(batch)
         kl = (reward_kl(batch, self.params.kl_estimator, self.params.kl_clamp, "reinforce_pp/kl")
               if self.params.kl_coef > 0 else None)
         per_token = token_rewards(torch.nan_to_num(local(rewards, batch)).float(), mask, kl, self.params.kl_coef)
@@ -73,7 +78,8 @@ class ReinforcePPBaseline(Plugin):
     ``A' = R - mean_group(R)`` (group mean of scorable rows), broadcast to the sequence's tokens, then whitened over
     the valid tokens of the *global* batch like ``reinforce_pp`` (unbiased variance, ``sqrt(var + 1e-8)``). No KL in
     the reward: the paper puts KL in the loss as a separate k2 term; here it is the GRPO trainer's ``args.beta``
-    term, which is TRL's k3 estimator. Unscorable rows get advantage 0 before whitening and are excluded from it.
+    term, which is TRL's k3 estimator. Unscorable rows, and rows ``trl_ext_filter_groups`` dropped, get advantage 0
+    before whitening and are excluded from it.
     """
 
     name = "reinforce_pp_baseline"
@@ -84,6 +90,7 @@ class ReinforcePPBaseline(Plugin):
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
+        rewards = kept_rewards(rewards, batch)  # filtered rows: NaN, so out of the whitening below
         centred = local(rewards - group_mean_baseline(rewards, batch.num_generations), batch)
         mask = batch.loss_mask * (~torch.isnan(centred)).unsqueeze(-1)
         per_token = torch.nan_to_num(centred).float().unsqueeze(-1) * mask

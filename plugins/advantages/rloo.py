@@ -6,7 +6,14 @@ from pydantic import Field
 
 from trl_ext import Plugin, Slot, hookimpl
 from trl_ext_plugins.advantages.math import rloo_advantages, sequence_kl_rewards
-from trl_ext_plugins.advantages.rollout import RewardKLHooks, RewardKLParams, gathered, local, reward_kl
+from trl_ext_plugins.advantages.rollout import (
+    RewardKLHooks,
+    RewardKLParams,
+    gathered,
+    kept_rewards,
+    local,
+    reward_kl,
+)
 
 
 class RLOOParams(RewardKLParams):
@@ -33,7 +40,8 @@ class RLOO(RewardKLHooks, Plugin):
 
     Conventions: the estimator is TRL ``RLOOTrainer``'s (parity tested): unscorable rows (every reward function
     returned ``None``) are left out of their siblings' baselines and get advantage 0; a group with one scorable row
-    gives it 0. ``normalize`` reproduces ``RLOOConfig.normalize_advantages`` (default off, as in TRL). Unlike TRL's
+    gives it 0; rows ``trl_ext_filter_groups`` dropped count as unscorable (out of ``normalize``'s batch mean and
+    std). ``normalize`` reproduces ``RLOOConfig.normalize_advantages`` (default off, as in TRL). Unlike TRL's
     RLOOTrainer, by default no KL is folded into the reward here: the GRPO trainer's ``args.beta`` adds k3 KL to the
     loss instead (TRL RLOO: beta 0.05, sequence-level k1 in the reward). K = ``args.num_generations`` must be >= 2
     (refused at validation); the paper used K = 2 or 4, TRL RLOOConfig defaults to 2.
@@ -70,6 +78,7 @@ class RLOO(RewardKLHooks, Plugin):
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
         p = self.params
+        rewards = kept_rewards(rewards, batch)  # filtered rows stay out of normalize's batch mean and std
         if p.kl_coef > 0:
             kl = reward_kl(batch, p.kl_estimator, p.kl_clamp, "rloo/kl")
             rewards = sequence_kl_rewards(rewards, gathered(kl.sum(-1), batch), p.kl_coef)

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
 from trl_ext.batches import RolloutBatch
-from trl_ext_plugins.advantages.math import Reduce, masked_token_kl
+from trl_ext_plugins.advantages.math import Reduce, drop_filtered_rows, kept_token_mask, masked_token_kl
 
 
 class RewardKLParams(PluginParams):
@@ -35,6 +35,20 @@ def rank_reduce(batch: RolloutBatch) -> Reduce:
 def local(values: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
     """This rank's rows of a gathered ``(N, ...)`` tensor."""
     return values[batch.process_slice]
+
+
+def kept_rewards(rewards: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """The gathered rewards with the rows ``trl_ext_filter_groups`` dropped marked unscorable (NaN), so batch-level
+    baselines and normalisations see only the kept rows (``RolloutBatch.keep``; unchanged when nothing filters)."""
+    return drop_filtered_rows(rewards, batch.keep)
+
+
+def kept_loss_mask(batch: RolloutBatch) -> torch.Tensor:
+    """``batch.loss_mask`` without the tokens of rows ``trl_ext_filter_groups`` dropped: the tokens a token-level
+    statistic (whitening, a token mean, the critic's targets) runs over. The host zeroes the completion mask of those
+    rows only after the advantages, so ``loss_mask`` itself still holds them."""
+    keep = None if batch.keep is None else local(batch.keep, batch)
+    return kept_token_mask(batch.loss_mask, keep)
 
 
 def gathered(values: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
@@ -66,14 +80,15 @@ def sampling_policy_logps(batch: RolloutBatch) -> torch.Tensor:
 
 
 def reward_kl(batch: RolloutBatch, estimator: str, clamp: float | None, metric: str) -> torch.Tensor:
-    """Per-token KL of the sampling policy to the reference, ``(B, T)`` float32, on the loss tokens (0 elsewhere):
+    """Per-token KL of the sampling policy to the reference, ``(B, T)`` float32, on the loss tokens of the rows
+    ``trl_ext_filter_groups`` kept (0 elsewhere):
     the KL every KL-in-the-reward plugin (``ppo``, ``reinforce_pp``, ``rloo``, ``remax``) folds into its rewards.
     Logs its token mean over every rank's loss tokens as ``metric`` (TRL logs rank 0's figures, so a rank's own mean
     would report only its share of the batch)."""
     if batch.ref_per_token_logps is None:
         raise ValueError(f"{metric.split('/')[0]}: the KL in the reward needs the reference log-probs, which this "
                          "batch does not carry")
-    mask = batch.loss_mask
+    mask = kept_loss_mask(batch)  # filtered rows get no KL and stay out of the logged mean
     kl = masked_token_kl(sampling_policy_logps(batch).float(), batch.ref_per_token_logps.float(), mask, estimator,
                          clamp)
     totals = torch.stack([kl.sum(), mask.sum().to(kl.dtype)])

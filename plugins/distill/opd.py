@@ -33,7 +33,7 @@ from trl_ext import Plugin, PluginParams, Slot, hookimpl
 from trl_ext.plugin import Need
 from trl_ext.recipe import EMBEDDED_PREFIX, STAGE_PREFIX
 from trl_ext_plugins.advantages.math import group_advantages
-from trl_ext_plugins.advantages.rollout import rank_reduce, sampling_policy_logps
+from trl_ext_plugins.advantages.rollout import kept_loss_mask, kept_rewards, rank_reduce, sampling_policy_logps
 from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill import teachers as tch
 
@@ -160,17 +160,19 @@ class _OPDBase(Plugin):
             self.pool.configure(batch.trainer)
         routes, weights = zip(*(self.route(row) for row in batch.inputs)) if batch.inputs else ((), ())
         # the student's own tokens: tool / environment tokens inside a multi-turn completion were not sampled from
-        # pi_theta, so they carry no reverse-KL sample (the loss masks them too, and the metrics must not count them)
-        mask = batch.loss_mask
+        # pi_theta, so they carry no reverse-KL sample (the loss masks them too, and the metrics must not count them);
+        # nor do the rows trl_ext_filter_groups dropped
+        mask = kept_loss_mask(batch)
         student = sampling_policy_logps(batch).float()
         teacher = teacher_logps_by_route(self.pool, list(routes), batch, self.params.micro_batch)
         opd = dm.weighted_by_row(dm.opd_advantages(teacher, student, mask),
                                  torch.tensor(weights, device=student.device))
         task = None
         if self.params.alpha > 0:
-            # TRL's GRPO advantage under the run's own scale_rewards (group | batch | none).
+            # TRL's GRPO advantage under the run's own scale_rewards (group | batch | none), over the kept rows.
             scale = getattr(getattr(batch.trainer, "args", None), "scale_rewards", "group")
-            task = group_advantages(rewards.float(), batch.num_generations, scale=scale)[batch.process_slice]
+            kept = kept_rewards(rewards, batch).float()
+            task = group_advantages(kept, batch.num_generations, scale=scale)[batch.process_slice]
         advantages = dm.combine_advantages(opd, task, self.params.alpha, self.params.coef)
         valid = mask.bool()
         gap = torch.where(valid, teacher - student, torch.zeros_like(student))

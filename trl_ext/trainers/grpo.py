@@ -330,6 +330,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         keep = None
         for mask in self.plugin_host.hook.trl_ext_filter_groups(rewards=rewards, batch=batch):
             keep = mask if keep is None else keep & mask
+        batch.keep = keep  # batch-level advantage statistics must leave the filtered rows out (hook spec)
         advantages = self.plugin_host.hook.trl_ext_compute_advantages(rewards=rewards, batch=batch)
         if advantages is not None:
             output["advantages"] = advantages.detach()
