@@ -17,6 +17,7 @@ from trl_ext_plugins.advantages.ppo import PPO, PPOParams
 from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline, ReinforceBaselineParams
 from trl_ext_plugins.advantages.reinforce_pp import ReinforcePP, ReinforcePPBaseline, ReinforcePPParams
 from trl_ext_plugins.advantages.rloo import RLOO, RLOOParams
+from trl_ext_plugins.advantages.vapo import POSITIVE_TOKENS, VAPO, VAPOParams
 
 # three groups of G = 2; the middle one is filtered (a zero-variance group dynamic sampling drops)
 REWARDS = [1.0, 0.0, 3.0, 3.0, 2.0, 0.0]
@@ -111,6 +112,17 @@ def test_ppo_whitens_and_logs_over_the_kept_rows():
     std = math.sqrt(2.75 / 3 + 1e-8)
     assert out[KEPT][:, 0].tolist() == pytest.approx([(r - 0.75) / std for r in (1.0, 0.0, 2.0, 0.0)], abs=1e-6)
     assert b.metrics["ppo/returns_mean"] == pytest.approx(0.75)
+
+
+def test_vapo_nll_denominator_counts_only_kept_positive_rows():
+    # positive = reward > 0: rows 0, 4 (kept) and 2, 3 (filtered); tokens of kept positives: 2 + 3
+    plugin = VAPO(VAPOParams(kl_coef=0.0))
+    plugin.critic = ZeroCritic()
+    b = batch(REWARDS, KEEP, lengths=[2, 1, 3, 3, 3, 1])
+    b.prompt_ids, b.prompt_mask = torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1, dtype=torch.long)
+    plugin.trl_ext_compute_advantages(rewards=torch.tensor(REWARDS), batch=b)
+    assert b.loss_extras[POSITIVE_TOKENS][0].item() == 5.0
+    assert b.metrics["vapo/positive_fraction"] == pytest.approx(2 / 4)
 
 
 def test_host_hands_the_keep_mask_to_the_advantage_hook(tiny_trainer):

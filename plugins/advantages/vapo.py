@@ -12,7 +12,7 @@ from trl_ext import hookimpl, ops
 from trl_ext import metrics as figures
 from trl_ext.trainers.grpo import global_token_mean
 from trl_ext_plugins.advantages.ppo import PPO, PPOParams
-from trl_ext_plugins.advantages.rollout import local, rank_reduce
+from trl_ext_plugins.advantages.rollout import kept_loss_mask, kept_rewards, local, rank_reduce
 
 POSITIVE = "vapo_positive"  # (B,) 1.0 for correct samples (reward > positive_threshold)
 POSITIVE_TOKENS = "vapo_positive_tokens"  # (B,) the global count of completion tokens of correct samples
@@ -74,14 +74,17 @@ class VAPO(PPO):
         # Value pre-training trains the critic alone: the NLL term would move the policy on its own (its gradient does
         # not go through the zeroed advantages), so no positive set is formed during the warm-up.
         if self.params.nll_coef > 0 and not self.in_critic_warmup(batch.trainer):
-            positive = torch.nan_to_num(rewards, nan=float("-inf")) > self.params.positive_threshold
+            # a filtered row is in no positive set: its tokens would count in the NLL's denominator, not its sum
+            kept = kept_rewards(rewards, batch)
+            positive = torch.nan_to_num(kept, nan=float("-inf")) > self.params.positive_threshold
             mine = local(positive, batch).to(torch.float32)
-            tokens = (batch.loss_mask * mine.unsqueeze(-1)).sum()
+            tokens = (kept_loss_mask(batch) * mine.unsqueeze(-1)).sum()
             reduce = rank_reduce(batch)
             tokens = tokens if reduce is None else reduce(tokens)
             batch.loss_extras[POSITIVE] = mine
             batch.loss_extras[POSITIVE_TOKENS] = torch.full_like(mine, tokens.item())
-            batch.metrics["vapo/positive_fraction"] = positive.float().mean().item()
+            rows = positive.numel() if batch.keep is None else batch.keep.sum().clamp(min=1)  # kept rows
+            batch.metrics["vapo/positive_fraction"] = (positive.float().sum() / rows).item()
         return advantages
 
     @hookimpl
