@@ -143,3 +143,36 @@ def test_host_hands_the_keep_mask_to_the_advantage_hook(tiny_trainer):
     valid = mask.bool()
     expected = (per_token - per_token[valid].mean()) / torch.sqrt(per_token[valid].var() + 1e-8) * mask
     assert torch.allclose(out["advantages"], expected, atol=1e-5)
+
+
+def scripted(values):
+    def reward(completions, **kwargs):
+        return values[: len(completions)]
+
+    return reward
+
+
+@pytest.mark.parametrize("scale, aggregation", [("batch", "sum_then_normalize"), ("group", "normalize_then_sum")])
+def test_trl_advantage_formula_matches_trl_bit_for_bit(tiny_trainer, scale, aggregation):
+    from trl_ext.trainers.grpo import trl_group_advantages
+
+    a, b = [1.0, 0.0, 0.5, 1.0, 0.2, 0.2, 0.9, 0.0], [0.0, 1.0, 1.0, 0.3, 0.7, 0.1, 0.4, 0.4]
+    trainer = tiny_trainer("grpo", reward_funcs=[scripted(a), scripted(b)],
+                           args={"scale_rewards": scale, "multi_objective_aggregation": aggregation})
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(8)])
+    ours = trl_group_advantages(torch.tensor([a, b]).T, torch.ones(2), 4, scale, aggregation)
+    assert torch.equal(out["advantages"], ours)
+
+
+def test_trl_batch_scaled_advantage_leaves_filtered_groups_out_of_the_std(tiny_trainer):
+    """No advantage plugin, scale_rewards=batch: dynamic_sampling drops group 1 ([1, 1, 1, 1]); the kept group's
+    advantages divide by the std of its own rewards [1, 0, 0, 1] (sqrt(1/3)), as in a batch without group 1."""
+    from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling
+
+    trainer = tiny_trainer("grpo", plugins=[DynamicSampling()], args={"scale_rewards": "batch"},
+                           reward_funcs=[scripted([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])])
+    trainer.model.train()
+    out = trainer._score_round([trainer.train_dataset[i // 4] for i in range(8)])[0]
+    s = math.sqrt(1 / 3) + 1e-4
+    assert out["advantages"].tolist() == pytest.approx([0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0, 0, 0, 0], abs=1e-6)

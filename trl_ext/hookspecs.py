@@ -298,7 +298,9 @@ def trl_ext_compute_advantages(rewards: torch.Tensor, batch: RolloutBatch) -> to
     removed (verl and slime remove them before computing advantages). Per-group statistics are unaffected by
     filters that drop whole groups.
 
-    Selection: first non-``None`` result wins; ``None`` keeps TRL's group-normalised advantage. Since 0.1.
+    Selection: first non-``None`` result wins; ``None`` keeps TRL's group-normalised advantage (TRL computes it
+    before the filters run; when rows are filtered the host recomputes TRL's formula without them, so
+    ``scale_rewards="batch"`` and ``normalize_then_sum`` take their batch statistics over the kept rows). Since 0.1.
     """
 
 

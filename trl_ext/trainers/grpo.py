@@ -88,6 +88,47 @@ ROW_NORMALIZED_LOSS_TYPES = frozenset({"grpo", "sapo", "dr_grpo"})
 KEPT_ROW_FRACTION = "kept_row_fraction"  # rollout dict key: the generation batch's kept share of rows (0-dim tensor)
 
 
+def trl_group_advantages(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int,
+                         scale_rewards: str, aggregation: str) -> torch.Tensor:
+    """TRL 1.16's GRPO advantage (``GRPOTrainer._generate_and_score_completions``), gathered ``(N,)``, recomputed from
+    the gathered ``(N, F)`` rewards; used when no plugin computes advantages but ``trl_ext_filter_groups`` dropped rows.
+
+    The formula and the order of operations are TRL's (``nanmean``, TRL's ``nanstd``, ``+ 1e-4``), so kept rows get
+    TRL's numbers bit for bit: ``sum_then_normalize``: ``(R - group mean) / (std + 1e-4)`` with the std per group
+    (``scale_rewards="group"``), over the batch (``"batch"``) or none (``"none"``); ``normalize_then_sum``: each
+    function normalised per group, the weighted sum then normalised over the batch. A row whose rewards are all NaN
+    is unscorable: out of every mean and std, advantage 0 (TRL's rule, which the host uses for filtered rows).
+    """
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    weights = reward_weights.to(rewards_per_func.device).unsqueeze(0)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        centre = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+        if scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        elif num_generations > 1:
+            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations, dim=0)
+        else:
+            std = torch.zeros_like(rewards)
+        advantages = rewards - centre
+        if scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    elif aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        rewards = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1]) * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    else:
+        raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
 def trl_ratio(li: LossInputs, importance_sampling_level: str = "token") -> torch.Tensor:
     """TRL's importance ratio pi_theta/pi_old: per token, or the length-normalised sequence ratio (GSPO) when
     ``importance_sampling_level == "sequence"``. Unlike TRL's unclamped ``exp``, the log-ratio is clamped to +-20
@@ -334,6 +375,8 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         advantages = self.plugin_host.hook.trl_ext_compute_advantages(rewards=rewards, batch=batch)
         if advantages is not None:
             output["advantages"] = advantages.detach()
+        elif keep is not None and not bool(keep.all()):
+            output["advantages"] = self._trl_advantages_of_kept_rows(batch, keep)
         output.update(batch.loss_extras)
         # Every key any round has produced (a key absent from a micro-batch is skipped in _plugin_loss): a training
         # generation batch is consumed over several optimizer steps (steps_per_generation, num_iterations), and an
@@ -351,6 +394,19 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             batch.metrics["groups/kept_fraction"] = keep.float().mean().item()
         self._log_plugin_metrics(batch.metrics)
         return output, keep
+
+    def _trl_advantages_of_kept_rows(self, batch: RolloutBatch, keep: torch.Tensor) -> torch.Tensor:
+        """TRL's own advantage (no advantage plugin) of this rank's rows, as if the filtered rows had been removed.
+
+        TRL computes it inside ``_generate_and_score_completions``, before the filters run, so the filtered rows were
+        in its batch-level statistics (the std of ``scale_rewards="batch"``, ``normalize_then_sum``'s batch mean and
+        std) and a row-level filter's rows in their group's. Recomputed with them unscorable; with nothing filtered
+        TRL's tensor is kept untouched (parity)."""
+        dropped = torch.full_like(batch.rewards_per_func, torch.nan)
+        per_func = torch.where(keep.to(dropped.device).unsqueeze(1), batch.rewards_per_func, dropped)
+        advantages = trl_group_advantages(per_func, batch.reward_weights, batch.num_generations, self.scale_rewards,
+                                          self.multi_objective_aggregation)
+        return advantages[batch.process_slice]
 
     # -- loss -------------------------------------------------------------------------------------------------------
 
