@@ -184,6 +184,25 @@ class PartialRollout(Plugin):
     its learning at 0.75 is how many groups it defers, not deferral itself; on these short answers it saves no time
     (6.8 decoding steps per call against TRL's 7.9, rollout seconds per step 1.08-1.13 of TRL's).
 
+    Every figure above with groups deferred was measured while the deferred rows still counted in ``grpo``'s mean
+    over sequences (each added 0), so a step at a trained fraction ``f`` moved the policy ``f`` times as far as its
+    trained rows alone would: about half at lambda 0.75 trajectories, 0.9 at ``groups``. That matches the pattern
+    above. Since 66d3dd6 the row count holds only the trained rows (``per_kept_row``). Re-measured on one seed from one
+    warm-up (0.400), 600 steps each (the ``half`` and ``partial75`` stages of ``benchmarks/partial_rollout.py
+    --half-batch --partial-steps 600 --fractions 0.75``, run as one recipe):
+
+    * TRL at 8 x 8 per step: held-out 0.450;
+    * lambda 0.75 + tis: 0.405 with the fix, 0.305 before it (same seed, commit 9aa698b). The trained fraction was 0.51
+      in both, so both trained about as many trajectories as TRL (64 per step).
+
+    The mean train reward of the trained groups, per 100 steps, climbed alike in all three runs:
+
+    * TRL: 0.133 -> 0.190;
+    * with the fix: 0.135 -> 0.223;
+    * before it: 0.135 -> 0.207.
+
+    One seed cannot settle the gap that remains in held-out accuracy.
+
     Time. With geometric lengths on the untrained model (``benchmarks/partial_rollout.py --fractions 0.75 0.9``: 32
     trajectories, cap 64) rollout seconds per step were 0.58 (lambda 0.75) and 0.85 (0.9) of TRL's, per trained
     trajectory 1.06 and 1.08; at lambda 1 the plugin's generation costs 1.03 (this benchmark) to 1.14 (128 trajectories
