@@ -29,7 +29,7 @@ verbose tail of up to 48 tokens (the embedded task's ``tail_fraction``; exact_ma
 rises to 64.
 Measured (2-core CPU, transformers 5.25; the plugin docstring has the table). The held-out figures with groups
 deferred predate 66d3dd6, when deferred rows still counted in grpo's mean over sequences (each step then moved the
-policy by the trained fraction of a full step); the plugin docstring gives a one-seed re-measurement since:
+policy by the trained fraction of a full step); the plugin docstring gives a two-seed re-measurement since:
 - speed, ``--fractions 0.75 0.9`` (defaults above): rollout seconds per step 0.58 and 0.85 of TRL's, per trained
   trajectory 1.06 and 1.08; ``--fractions 1.0`` 1.03 (1.14 with ``--batch 128 --generations 8
   --max-completion-length 8 --eos-bias 0``).
