@@ -391,7 +391,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
             output[KEPT_ROW_FRACTION] = keep.float().mean()
-            batch.metrics["groups/kept_fraction"] = keep.float().mean().item()
+            batch.metrics["groups/kept_fraction"] = output[KEPT_ROW_FRACTION].item()
         self._log_plugin_metrics(batch.metrics)
         return output, keep
 
