@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trl_ext import NoParams, Plugin, Slot, hookimpl
 from trl_ext.catalog import Catalog
 from trl_ext.embedded.arithmetic import arithmetic_dataset
 from trl_ext.errors import RecipeError
@@ -175,6 +176,40 @@ def test_filtered_groups_leave_the_sequence_count_of_the_loss(tiny_trainer, loss
     assert full_loss == pytest.approx(kept_loss, rel=1e-5) and kept_loss != 0.0
     assert kept_grad.abs().max() > 1e-4
     torch.testing.assert_close(full_grad, kept_grad, rtol=1e-4, atol=1e-7)
+
+
+class NaNAtFilteredRows(Plugin):
+    """An advantage plugin that leaves NaN at the rows the filter dropped (test double: a third-party plugin that
+    normalises over the kept rows and writes nothing sensible elsewhere)."""
+
+    name, family, slots, Params = "nan_at_filtered_rows", "advantage", frozenset({Slot.ADVANTAGE}), NoParams
+
+    @hookimpl
+    def trl_ext_compute_advantages(self, rewards, batch):
+        centred = rewards - rewards[batch.keep].mean()
+        return torch.where(batch.keep, centred, torch.full_like(centred, float("nan")))[batch.process_slice]
+
+
+def test_a_nan_advantage_at_a_filtered_row_leaves_the_loss_finite(tiny_trainer):
+    # The host zeroes filtered rows' advantages with where: a product (the earlier code) turned 0 * NaN into NaN, and
+    # one NaN row made the whole step's loss and gradient NaN.
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    even = next(i for i in range(len(data)) if int(data[i]["answer"]) % 2 == 0)
+    odd = next(i for i in range(len(data)) if int(data[i]["answer"]) % 2 == 1)
+    trainer = tiny_trainer("grpo", plugins=[DynamicSampling(DynamicSampling.Params(max_rounds=1)), NaNAtFilteredRows()],
+                           dataset=data, reward_funcs=[odd_sum_varies],
+                           args={"per_device_train_batch_size": 2 * G, "num_generations": G, "temperature": 1.0})
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    torch.manual_seed(0)
+    output = trainer._generate_and_score_completions(_rows(data, [even, odd]))
+    advantages = output["advantages"]
+    assert torch.equal(advantages[:G], torch.zeros(G))  # the even prompt's group was filtered
+    assert torch.isfinite(advantages).all() and advantages[G:].abs().sum() > 0
+    loss = trainer.compute_loss(trainer.model, output)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
 
 
 def test_cap_with_on_cap_error_raises_as_verl(tiny_trainer):

@@ -384,10 +384,13 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         # mask silently stopped applying after an eval step).
         self._loss_extra_keys = tuple(dict.fromkeys((*self._loss_extra_keys, *batch.loss_extras)))
         if keep is not None:
-            local_keep = keep[batch.process_slice].to(output["completion_mask"].dtype)
+            # where, not a product: an advantage plugin may leave NaN or inf at a filtered row, and 0 * NaN is NaN
+            local_keep = keep[batch.process_slice].to(output["completion_mask"].device)
             adv = output["advantages"]
-            output["advantages"] = adv * (local_keep if adv.dim() == 1 else local_keep.unsqueeze(1))
-            output["completion_mask"] = output["completion_mask"] * local_keep.unsqueeze(1)
+            kept = local_keep if adv.dim() == 1 else local_keep.unsqueeze(1)
+            output["advantages"] = torch.where(kept.to(adv.device), adv, torch.zeros_like(adv))
+            mask = output["completion_mask"]
+            output["completion_mask"] = torch.where(local_keep.unsqueeze(1), mask, torch.zeros_like(mask))
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
             output[KEPT_ROW_FRACTION] = keep.float().mean()
