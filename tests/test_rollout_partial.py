@@ -2,7 +2,8 @@
 (lambda 0.75 with 16 trajectories: the 12th), or with stop_unit: groups after the ceil(lambda * P)-th of P groups
 completes; on the tiny model resumed prefixes keep their tokens byte-identical and their old sampling log-probs,
 unfinished groups are masked, stale tokens get zero loss weight with mask_offpolicy; the buffer goes into checkpoints
-and comes back on resume; lambda outside (0, 1] is refused at validation."""
+and comes back on resume, and a run resumed from a checkpoint holding deferred groups trains the uninterrupted run bit
+for bit; lambda outside (0, 1] is refused at validation."""
 
 from __future__ import annotations
 
@@ -423,3 +424,39 @@ def test_resume_on_a_different_number_of_processes_deals_every_group_once(tmp_pa
     plugin = PartialRollout(PartialRollout.Params())
     PartialRolloutCheckpoint(plugin, 0, world).on_train_begin(args, state, None)
     assert plugin.buffer[0].samples[0].ids == [0, 0] and plugin.buffer[0].samples[0].logps == [-0.5, -0.25]
+
+
+def _varied_reward(completions, **kwargs):
+    """Differs between samples of a group, so every step has nonzero advantages and moves the weights."""
+    return [float(sum(map(ord, str(c))) % 7) for c in completions]
+
+
+def test_a_run_resumed_mid_deferral_trains_the_uninterrupted_run_bit_for_bit(tiny_trainer, tmp_path):
+    """Four steps straight against two steps, a checkpoint holding deferred groups, then a new trainer resuming from it:
+    same weights (torch.equal) and same per-step figures. Deferred groups resume under the restored RNG and optimizer,
+    so nothing the buffer carries (prefixes, sampling log-probs, policy versions) may be lost or rounded."""
+    args = {"per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 12, "temperature": 1.0,
+            "max_steps": 4, "save_strategy": "steps", "save_steps": 2, "seed": 3, "learning_rate": 1e-3,
+            "lr_scheduler_type": "linear"}
+    data = arithmetic_dataset("train", format="prompt", size=64)
+
+    def run(resume_from=None):
+        plugin = PartialRollout(PartialRollout.Params(finish_fraction=0.5))
+        trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data, args=args, reward_funcs=[_varied_reward])
+        eos_bias(trainer)
+        trainer.train(resume_from_checkpoint=resume_from)
+        return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, plugin.history
+
+    straight, straight_history = run()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    import json
+
+    saved = json.loads((checkpoint / "partial_rollout_rank0.json").read_text())
+    assert saved, "expected groups deferred at step 2 (lambda 0.5, seeded)"
+    resumed, resumed_history = run(str(checkpoint))
+    assert resumed_history == straight_history[2:]  # steps 3 and 4: buffer sizes, staleness, trained fractions
+    assert resumed_history[0]["partial_rollout/resumed_trajectories"] == sum(
+        not s["finished"] for g in saved for s in g["samples"])
+    assert straight.keys() == resumed.keys()
+    changed = [k for k in straight if not torch.equal(straight[k], resumed[k])]
+    assert not changed, f"weights differ after resuming: {changed[:5]}"
