@@ -11,13 +11,16 @@ import math
 import pytest
 import torch
 
+import trl_ext_plugins.advantages.remax as remax_module
 from trl_ext.batches import RolloutBatch
 from trl_ext_plugins.advantages.group_norm import GroupNorm, GroupNormParams
 from trl_ext_plugins.advantages.ppo import PPO, PPOParams
 from trl_ext_plugins.advantages.reinforce_baseline import ReinforceBaseline, ReinforceBaselineParams
+from trl_ext_plugins.advantages.remax import ReMax
 from trl_ext_plugins.advantages.reinforce_pp import ReinforcePP, ReinforcePPBaseline, ReinforcePPParams
 from trl_ext_plugins.advantages.rloo import RLOO, RLOOParams
 from trl_ext_plugins.advantages.vapo import POSITIVE_TOKENS, VAPO, VAPOParams
+from trl_ext_plugins.distill.bond import BOND, BONDParams
 
 # three groups of G = 2; the middle one is filtered (a zero-variance group dynamic sampling drops)
 REWARDS = [1.0, 0.0, 3.0, 3.0, 2.0, 0.0]
@@ -123,6 +126,20 @@ def test_vapo_nll_denominator_counts_only_kept_positive_rows():
     plugin.trl_ext_compute_advantages(rewards=torch.tensor(REWARDS), batch=b)
     assert b.loss_extras[POSITIVE_TOKENS][0].item() == 5.0
     assert b.metrics["vapo/positive_fraction"] == pytest.approx(2 / 4)
+
+
+def test_bond_best_reward_counts_only_the_kept_groups():
+    # best of each group: 1 (group 0), 3 (group 1, filtered), 2 (group 2) -> mean over the kept groups 1.5, not 2.0
+    _, b = advantages(BOND(BONDParams()), REWARDS, KEEP)
+    assert b.metrics["bond/best_reward"] == pytest.approx(1.5)
+
+
+def test_remax_greedy_reward_counts_only_the_kept_groups(monkeypatch):
+    # greedy baselines per group 0.5 / 9.0 (filtered) / 1.0 -> 0.75, not 3.5
+    monkeypatch.setattr(remax_module, "greedy_rewards", lambda trainer, prompts, inputs: torch.tensor([0.5, 9.0, 1.0]))
+    out, b = advantages(ReMax(), REWARDS, KEEP)
+    assert b.metrics["remax/greedy_reward_mean"] == pytest.approx(0.75)
+    assert out[KEPT].tolist() == pytest.approx([0.5, -0.5, 1.0, -1.0])  # R - b within each kept group
 
 
 def test_host_hands_the_keep_mask_to_the_advantage_hook(tiny_trainer):

@@ -115,7 +115,10 @@ class ReMax(RewardKLHooks, Plugin):
         rows = range(0, stop - start, group)
         baseline = greedy_rewards(batch.trainer, [batch.prompts[i] for i in rows], [batch.inputs[i] for i in rows])
         baseline = baseline.to(rewards.device)
-        batch.metrics["remax/greedy_reward_mean"] = torch.nanmean(baseline).item()
+        kept_groups = torch.ones(len(rows), dtype=torch.bool) if batch.keep is None else \
+            batch.keep[batch.process_slice].cpu().view(-1, group).any(dim=1)
+        # over the groups that train: a group a filter dropped (e.g. deferred by partial_rollout) leaves the figure
+        batch.metrics["remax/greedy_reward_mean"] = torch.nanmean(baseline[kept_groups.to(baseline.device)]).item()
         p = self.params
         if p.kl_coef <= 0:
             return local(remax_advantages(rewards, baseline, group), batch)

@@ -82,7 +82,8 @@ class BOND(Plugin):
         advantages = bond_advantages(torch.nan_to_num(rewards.float(), nan=float("-inf")), group, n, self.params.beta)
         best = best_in_group(torch.nan_to_num(rewards.float(), nan=float("-inf")), group)
         batch.loss_extras[BEST_KEY] = best[batch.process_slice].to(batch.completion_mask.device)
-        batch.metrics["bond/best_reward"] = rewards[best.bool()].nanmean().item()
+        best_rows = best.bool() if batch.keep is None else best.bool() & batch.keep.to(best.device)
+        batch.metrics["bond/best_reward"] = rewards[best_rows].nanmean().item()  # groups a filter dropped left out
         return advantages[batch.process_slice].to(batch.completion_mask.device)
 
     @hookimpl
