@@ -366,6 +366,29 @@ def test_evaluate_generation_scores_an_oracle(tokenizer):
     assert [s["prompt"] for s in sampled["samples"]] == [data["prompt"][0]] * 3 + [data["prompt"][1]] * 2
 
 
+def test_evaluate_generation_calls_the_reward_with_trls_training_signature(tokenizer):
+    # A function written for TRL's reward signature (completion_ids, trainer_state, log_metric as named parameters)
+    # scored training but raised TypeError at the held-out evaluation, which passed none of them.
+    from types import SimpleNamespace
+
+    from trl_ext.evaluation import training_reward_kwargs
+
+    data = arithmetic_dataset("test", size=8)
+    seen = {}
+
+    def trl_signature(prompts, completions, completion_ids, trainer_state, log_metric, answer, **kwargs):
+        seen.update(ids=completion_ids, state=trainer_state)
+        log_metric("held_out/extra", 1.0)  # logs nothing at evaluation, but must not fail
+        return exact_match_reward(completions, answer)
+
+    trainer = SimpleNamespace(state="the trainer's state")
+    result = evaluate_generation(OracleModel(tokenizer), tokenizer, data, trl_signature,
+                                 reward_kwargs=training_reward_kwargs(trainer))
+    assert result["accuracy"] == 1.0 and seen["state"] == "the trainer's state"
+    # each completion's ids: its tokens up to and including EOS, the padding generate adds after it cut off
+    assert seen["ids"] == [tokenizer(f"{a}<eos>")["input_ids"] for a in data["answer"]]
+
+
 def test_evaluate_generation_on_a_real_model_is_deterministic(tokenizer):
     model = build_model("tiny-qwen2", seed=0)
     data = arithmetic_dataset("test", size=40)

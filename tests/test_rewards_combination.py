@@ -86,3 +86,31 @@ def test_reward_function_names_must_differ(tmp_path):
     fine = PythonReward(PythonRewardParams(functions=[f"{tmp_path / 'a.py'}:reward"]))
     assert [f.name for f in collect_reward_functions(PluginHost([MathVerify(), fine]), None)] == ["math_verify",
                                                                                                    "reward"]
+
+
+def test_held_out_evaluation_calls_a_trl_signature_reward_as_training_does(tmp_path):
+    """A user reward that names TRL's keywords (completion_ids, trainer_state, log_metric) scores training and the
+    held-out split alike: the evaluation used to pass none of them, so the stage failed after training with a
+    TypeError."""
+    import json
+
+    from trl_ext.catalog import Catalog
+    from trl_ext.recipe import parse_recipe
+    from trl_ext.runner import run_recipe
+
+    path = tmp_path / "trl_signature.py"
+    path.write_text("def lengths(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):\n"
+                    "    log_metric('lengths/seen', 1.0)\n"
+                    "    return [float(len(ids) == 1) + 0.0 * trainer_state.global_step for ids in completion_ids]\n")
+    reward = {"python_reward": {"functions": [f"{path}:lengths"]}}
+    recipe = parse_recipe({"seed": 0, "stages": [{
+        "name": "grpo", "trainer": "grpo", "model": "embedded:tiny-qwen2", "plugins": ["grpo", reward],
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}},
+        "evaluation": {"dataset": {"source": "embedded:arithmetic", "split": "test", "params": {"format": "prompt"}},
+                       "reward": {"name": "python_reward", "params": reward["python_reward"]}, "limit": 8},
+        "args": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
+                 "gradient_checkpointing": False}}]})
+    info = run_recipe(recipe, tmp_path / "run", Catalog.discover(), echo=lambda _m: None)
+    assert info["status"] == "complete"
+    ev = json.loads((tmp_path / "run" / "grpo" / "eval.json").read_text())
+    assert ev["before"]["n"] == ev["after"]["n"] == 8

@@ -45,11 +45,15 @@ def evaluate_generation(
     temperature: float = 1.0,
     num_samples: int = 1,
     seed: int | None = None,
+    reward_kwargs: dict | None = None,
 ) -> dict:
     """Generate completions for `dataset["prompt"]` and score them with `reward_fn`.
 
-    `reward_fn` is called like a TRL reward function: `reward_fn(prompts=..., completions=..., **columns)`
-    with the dataset's other columns (e.g. `answer`) repeated once per sample. Returns
+    `reward_fn` is called like a TRL reward function: `reward_fn(prompts=..., completions=..., completion_ids=...,
+    **columns, **reward_kwargs)` with the dataset's other columns (e.g. `answer`) repeated once per sample,
+    `completion_ids` each completion's generated token ids up to and including its EOS (TRL's convention), and
+    `reward_kwargs` the other keywords TRL passes in training (the caller's `trainer_state`, `log_metric`, ...), so
+    a function written for TRL's signature scores the held-out split as it scored training. Returns
     {"accuracy": share of completions earning the full reward 1.0, "reward_mean": mean reward,
     "n": number of completions scored, "samples": the first few prompts, completions and rewards}. Greedy decoding is deterministic and ignores `temperature`
     and `num_samples` (every sample would be the same); sampling draws `num_samples` per prompt.
@@ -69,7 +73,7 @@ def evaluate_generation(
     was_training = model.training
     model.eval()
     try:
-        completions = []
+        completions, completion_ids = [], []
         with seeded:
             for start in range(0, len(prompts), batch_size):
                 # Left padding puts every prompt's last token at the end, where generation continues.
@@ -90,6 +94,7 @@ def evaluate_generation(
                 )
                 new_tokens = output[:, batch["input_ids"].shape[1] :]
                 completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+                completion_ids += [_until_eos(row, tokenizer.eos_token_id) for row in new_tokens.tolist()]
     finally:
         model.train(was_training)
 
@@ -100,7 +105,9 @@ def evaluate_generation(
     rewards = reward_fn(
         prompts=repeat(prompts),
         completions=completions,
+        completion_ids=completion_ids,
         **{name: repeat(values) for name, values in columns.items()},
+        **(reward_kwargs or {}),
     )
     n = len(rewards)
     shown = repeat(prompts)[:NUM_SHOWN_SAMPLES]
@@ -115,13 +122,14 @@ def evaluate_generation(
 
 
 def sampled_evaluation(model, tokenizer, dataset, reward_fn: Callable[..., list[float]], k: int, temperature: float,
-                       seed: int, max_new_tokens: int = 8, batch_size: int = 64) -> dict:
+                       seed: int, max_new_tokens: int = 8, batch_size: int = 64,
+                       reward_kwargs: dict | None = None) -> dict:
     """``k`` sampled completions per prompt at ``temperature``: their mean accuracy and reward (the sampled pass@1 of
     RL papers), as ``sampled_accuracy``, ``sampled_reward_mean``, ``sampled_n``. The draw comes from a forked RNG
     seeded with ``seed``, so adding the evaluation changes no training sample."""
     sampled = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=max_new_tokens,
                                   batch_size=batch_size, greedy=False, temperature=temperature, num_samples=k,
-                                  seed=seed)
+                                  seed=seed, reward_kwargs=reward_kwargs)
     return {"sampled_accuracy": sampled["accuracy"], "sampled_reward_mean": sampled["reward_mean"],
             "sampled_n": sampled["n"]}
 
@@ -131,6 +139,24 @@ def _seeded_rng(seed: int, device: torch.device):
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         torch.manual_seed(seed)
         yield
+
+
+def _until_eos(ids: list[int], eos_token_id: int | list[int] | None) -> list[int]:
+    """A generated row cut after its first EOS (generate pads the rest of a finished row)."""
+    eos = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
+    end = next((i + 1 for i, token in enumerate(ids) if token in eos), len(ids))
+    return ids[:end]
+
+
+def training_reward_kwargs(trainer) -> dict:
+    """The keywords TRL's trainers give reward functions besides the batch (the trainer's state; logging callbacks,
+    which log nothing at evaluation), for :func:`evaluate_generation`'s ``reward_kwargs``."""
+    state = getattr(trainer, "state", None)
+    return {"trainer_state": state, "log_extra": _ignore, "log_metric": _ignore}
+
+
+def _ignore(*args, **kwargs) -> None:
+    return None
 
 
 def _prompt_text(tokenizer, prompt) -> str:

@@ -755,19 +755,20 @@ def evaluate_stage(trainer, tokenizer, spec: StageSpec, ctx: RunContext, rs: Res
     asks for ``mean_at_k`` (main process; others wait, or evaluate in step when the model is sharded)."""
     from accelerate import PartialState
 
-    from trl_ext.evaluation import evaluation_model
+    from trl_ext.evaluation import evaluation_model, training_reward_kwargs
 
     state = PartialState()
     result: dict[str, Any] = {}
     # entered on every rank: a sharded model (ZeRO-3, FSDP) is evaluated by every rank in step
     with evaluation_model(trainer, state.is_main_process) as (model, evaluate_here):
         if evaluate_here:
-            result = _evaluate(model, tokenizer, spec, ctx, rs)
+            result = _evaluate(model, tokenizer, spec, ctx, rs, training_reward_kwargs(trainer))
     state.wait_for_everyone()
     return result if state.is_main_process else {}
 
 
-def _evaluate(model, tokenizer, spec: StageSpec, ctx: RunContext, rs: ResolvedStage) -> dict[str, Any]:
+def _evaluate(model, tokenizer, spec: StageSpec, ctx: RunContext, rs: ResolvedStage,
+              reward_kwargs: dict[str, Any]) -> dict[str, Any]:
     from trl_ext.evaluation import evaluate_generation, sampled_evaluation
     from trl_ext.host import PluginHost
     from trl_ext.rewards import collect_reward_functions, weighted_reward
@@ -779,11 +780,11 @@ def _evaluate(model, tokenizer, spec: StageSpec, ctx: RunContext, rs: ResolvedSt
     if ev.limit is not None:
         dataset = dataset.select(range(min(ev.limit, len(dataset))))
     result = evaluate_generation(model, tokenizer, dataset, reward_fn, max_new_tokens=ev.max_new_tokens,
-                                 batch_size=ev.batch_size)
+                                 batch_size=ev.batch_size, reward_kwargs=reward_kwargs)
     if ev.mean_at_k:
         result.update(sampled_evaluation(model, tokenizer, dataset, reward_fn, ev.mean_at_k, ev.temperature,
                                          seed=ctx.recipe.seed or 0, max_new_tokens=ev.max_new_tokens,
-                                         batch_size=ev.batch_size))
+                                         batch_size=ev.batch_size, reward_kwargs=reward_kwargs))
     ctx.echo(f"[trl-ext] stage {spec.name!r} held-out: " + ", ".join(f"{k}={v:.4g}" for k, v in result.items()
                                                                        if isinstance(v, (int, float))))
     return result

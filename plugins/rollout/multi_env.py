@@ -463,7 +463,7 @@ class MultiEnv(Plugin):
         return out if main else {}
 
     def _evaluate_environments(self, trainer, model) -> dict[str, dict]:
-        from trl_ext.evaluation import evaluate_generation, sampled_evaluation
+        from trl_ext.evaluation import evaluate_generation, sampled_evaluation, training_reward_kwargs
         from trl_ext.host import PluginHost
         from trl_ext.rewards import collect_reward_functions, weighted_reward
 
@@ -494,12 +494,13 @@ class MultiEnv(Plugin):
                 continue
             out[env.name] = evaluate_generation(model, tokenizer, data, score,
                                                 max_new_tokens=self.params.eval_max_new_tokens,
-                                                batch_size=self.params.eval_batch_size)
+                                                batch_size=self.params.eval_batch_size,
+                                                reward_kwargs=training_reward_kwargs(trainer))
             if self.params.eval_mean_at_k is not None:
                 out[env.name].update(sampled_evaluation(
                     model, tokenizer, data, score, self.params.eval_mean_at_k, self.params.eval_temperature or 1.0,
                     seed=trainer.args.seed, max_new_tokens=self.params.eval_max_new_tokens,
-                    batch_size=self.params.eval_batch_size))
+                    batch_size=self.params.eval_batch_size, reward_kwargs=training_reward_kwargs(trainer)))
         return out
 
 
