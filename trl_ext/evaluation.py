@@ -50,7 +50,8 @@ def evaluate_generation(
     """Generate completions for `dataset["prompt"]` and score them with `reward_fn`.
 
     `reward_fn` is called like a TRL reward function: `reward_fn(prompts=..., completions=..., completion_ids=...,
-    **columns, **reward_kwargs)` with the dataset's other columns (e.g. `answer`) repeated once per sample,
+    **columns, **reward_kwargs)` with the dataset's other columns (e.g. `answer`; not `completion`, as in TRL)
+    repeated once per sample,
     `completion_ids` each completion's generated token ids up to and including its EOS (TRL's convention), and
     `reward_kwargs` the other keywords TRL passes in training (the caller's `trainer_state`, `log_metric`, ...), so
     a function written for TRL's signature scores the held-out split as it scored training. Returns
@@ -102,13 +103,10 @@ def evaluate_generation(
     def repeat(values: list) -> list:
         return [value for value in values for _ in range(samples)]
 
-    rewards = reward_fn(
-        prompts=repeat(prompts),
-        completions=completions,
-        completion_ids=completion_ids,
-        **{name: repeat(values) for name, values in columns.items()},
-        **(reward_kwargs or {}),
-    )
+    # As TRL's _calculate_rewards: the row's columns except the ones it passes itself, then its own keywords.
+    keywords = {name: repeat(values) for name, values in columns.items() if name not in ("completion", "completion_ids")}
+    keywords.update(reward_kwargs or {})
+    rewards = reward_fn(prompts=repeat(prompts), completions=completions, completion_ids=completion_ids, **keywords)
     n = len(rewards)
     shown = repeat(prompts)[:NUM_SHOWN_SAMPLES]
     return {
