@@ -121,10 +121,10 @@ class PartialRollout(Plugin):
     * the unit of buffering is the prompt group (GRPO advantages need whole groups): a group trains in the step in
       which its last trajectory finishes; groups still unfinished get zero advantage and a zero completion mask in
       this step (``trl_ext_filter_groups``), so they leave every token count and the row count of sequence-mean
-      aggregations (``grpo``, ``dr_grpo``: the step is the mean over the trained rows). A step therefore trains fewer samples
-      than the batch holds (``partial_rollout/trained_fraction``: 0.46-0.66 at lambda 0.75 on the embedded addition
-      task), so learning compares per trained trajectory, not per step (``benchmarks/partial_rollout.py --held-out``;
-      measured below);
+      aggregations (``grpo``, ``dr_grpo``: the step is the mean over the trained rows). A step therefore trains fewer
+      samples than the batch holds (``partial_rollout/trained_fraction``: 0.46-0.66 at lambda 0.75 on the embedded
+      addition task, about a third early on long tails), so learning compares per trained trajectory, not per step
+      (``benchmarks/partial_rollout.py --held-out``; measured below);
     * the stop rule counts the trajectories this call generates, per rank (no collective inside generation):
       ``ceil(lambda * N_active)``, where ``N_active`` excludes finished members of resumed groups, which only wait (had
       they counted, a batch of mostly waiting members would stop after one more token); a trajectory cut by
@@ -202,29 +202,53 @@ class PartialRollout(Plugin):
     * with the fix: 0.135 -> 0.223 and 0.138 -> 0.211;
     * before it: 0.135 -> 0.207.
 
-    So the row count explains part of the gap at lambda 0.75 (seed 0: 0.305 -> 0.405), not all of it: held-out
-    accuracy still trails TRL's in both seeds.
+    Two more GRPO seeds from the same warm-up (the same recipe, seeds 2 and 3): TRL 0.435 and 0.360, lambda 0.75 +
+    tis 0.480 and 0.470. Over the four seeds TRL reaches 0.430 (0.450 / 0.475 / 0.435 / 0.360) and lambda 0.75 0.436
+    (0.405 / 0.390 / 0.480 / 0.470): with the row count fixed, the gap the first two seeds showed is within the
+    seed-to-seed spread (the row count was the cause measured: seed 0 before it, 0.305).
+
+    Long tails after the fix (``benchmarks/partial_rollout.py --held-out 400 --partial-steps 1000 --fractions 0.75
+    --long-tail 0.1 --eval-every 100 --grpo-seeds 0 1 2``, one run, warm-up 0.465): rollout seconds per step were 0.56
+    and 0.53 of TRL's (seeds 1 and 2; seed 0's TRL stage ran beside a test job, so its 0.37 is not a fair ratio), per
+    trained trajectory 1.16 and 1.12. Held-out greedy accuracy, mean of the three seeds at about equal trained
+    trajectories:
+
+    ============================  ===========  ===========  ===========  =====================
+    trained trajectories          about 25k    about 38k    about 52k    end of run (sd)
+    ============================  ===========  ===========  ===========  =====================
+    TRL, 16 x 8 per step          0.543        0.587        0.503        0.503 (0.068), 51.2k
+    lambda 0.75 + tis             0.387        0.532        0.527        0.530 (0.044), 60k
+    ============================  ===========  ===========  ===========  =====================
+
+    So on long tails the plugin takes about half of TRL's rollout time per step and its held-out curve meets TRL's by
+    about 50k trajectories, but trails before that. Early on the buffer holds about 10 of the 16 groups, a group waits
+    up to 4-6 steps, 51-63% of the trained tokens are stale and a third of the batch trains per step; held-out accuracy
+    first dips below the warm-up (step 100, 4.3k trajectories: 0.205 / 0.355 / 0.320 against 0.465). Part of that is
+    the smaller batch per step, not deferral: TRL at 8 x 8 per step from the same warm-up (seeds 0 and 1, 200 steps)
+    also dips, 0.430 / 0.370 at step 100 and 0.480 / 0.350 at step 200, where the plugin reads 0.385 / 0.380 / 0.435.
 
     Time. With geometric lengths on the untrained model (``benchmarks/partial_rollout.py --fractions 0.75 0.9``: 32
     trajectories, cap 64) rollout seconds per step were 0.58 (lambda 0.75) and 0.85 (0.9) of TRL's, per trained
     trajectory 1.06 and 1.08; at lambda 1 the plugin's generation costs 1.03 (this benchmark) to 1.14 (128 trajectories
-    of at most 8 tokens) of TRL's (profiled: spread over per-row tensor building, no single hotspot). With long-tailed
-    lengths (``--long-tail 0.1 --eval-every 100``, one seed, warm-up 0.495; TRL 0.520 / 0.630 / 0.585 at 25.6k / 38.4k /
-    51.2k trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and trailed (0.450 / 0.515 / 0.555 at
-    24.4k / 38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 / 0.585 at 23.2k / 34.8k / 47.6k)
-    but took 1.04 of TRL's rollout seconds per step (twice measured) although it decoded 48 steps per call against 64.
-    ``stop_unit: groups`` at lambda 0.75 on the same long tails (one seed, 500 steps) decoded 49 steps per call and
-    took 1.27 of TRL's rollout seconds per step; held-out 0.405 / 0.530 / 0.565 / 0.625 / 0.405 at 9.8k / 19.6k / 31.5k
-    / 44.3k / 57.1k trajectories (TRL: 0.490 / 0.520 / 0.630 / 0.585 at 12.8k / 25.6k / 38.4k / 51.2k). Why resuming
-    costs so much here, measured apart on the tiny model (2 CPU cores, 128 rows): transformers keeps no KV cache between
-    calls, so a resumed prefix is prefilled again, and every row of the call is left-padded to the longest resumed
-    input. 48 decoding steps take 0.23 s from inputs of 8 tokens and 0.46 s from inputs padded to 70 (TRL's 64 steps
-    from 8 tokens: 0.33 s): one 60-token prefix doubles the cost of the whole call, in prefill and in attention over the
-    padded width. Two calls, resumed rows apart from fresh ones, cost 0.11 + 0.22 s, since each decoding step has a
-    fixed cost that is then paid twice; transformers' continuous batching (``generate_batch``, no padding) took 7.2 s
-    for 128 prompts x 64 tokens against 0.39 s for padded ``generate`` on this CPU. So on transformers generation on
-    CPU no setting measured gave both the time saving and TRL's learning; engines that neither pad nor keep finished
-    rows decoding (vLLM, SGLang) are where APRIL reports it.
+    of at most 8 tokens) of TRL's (profiled: spread over per-row tensor building, no single hotspot). Before the
+    row-count fix, with long-tailed lengths (``--long-tail 0.1 --eval-every 100``, one seed, warm-up 0.495; TRL 0.520 /
+    0.630 / 0.585 at 25.6k / 38.4k / 51.2k trajectories), lambda 0.75 took 0.47 of TRL's rollout seconds per step and
+    trailed (0.450 / 0.515 / 0.555 at 24.4k / 38.1k / 52.6k); lambda 0.9 matched at equal trajectories (0.420 / 0.560 /
+    0.585 at 23.2k / 34.8k / 47.6k) but took 1.04 of TRL's rollout seconds per step (twice measured) although it decoded
+    48 steps per call against 64. ``stop_unit: groups`` at lambda 0.75 on the same long tails (one seed, 500 steps)
+    decoded 49 steps per call and took 1.27 of TRL's rollout seconds per step; held-out 0.405 / 0.530 / 0.565 / 0.625 /
+    0.405 at 9.8k / 19.6k / 31.5k / 44.3k / 57.1k trajectories (TRL: 0.490 / 0.520 / 0.630 / 0.585 at 12.8k / 25.6k /
+    38.4k / 51.2k). Why resuming costs so much here, measured apart on the tiny model (2 CPU cores, 128 rows):
+    transformers keeps no KV cache between calls, so a resumed prefix is prefilled again, and every row of the call is
+    left-padded to the longest resumed input. 48 decoding steps take 0.23 s from inputs of 8 tokens and 0.46 s from
+    inputs padded to 70 (TRL's 64 steps from 8 tokens: 0.33 s): one 60-token prefix doubles the cost of the whole call,
+    in prefill and in attention over the padded width. Two calls, resumed rows apart from fresh ones, cost 0.11 + 0.22
+    s, since each decoding step has a fixed cost that is then paid twice; transformers' continuous batching
+    (``generate_batch``, no padding) took 7.2 s for 128 prompts x 64 tokens against 0.39 s for padded ``generate`` on
+    this CPU. So before the row-count fix no setting measured on transformers generation gave both the time saving and
+    TRL's learning; since it, lambda 0.75 gives both per step on long tails by about 50k trajectories (the table above),
+    not per trained trajectory (1.12-1.16 of TRL's rollout seconds). Engines that neither pad nor keep finished rows
+    decoding (vLLM, SGLang) are where APRIL reports a saving per trajectory too.
 
     Logged per generation batch, over every rank: ``partial_rollout/buffer_groups`` (groups waiting after this step),
     ``partial_rollout/resumed_trajectories``, ``partial_rollout/trained_fraction`` (samples in finished groups),
