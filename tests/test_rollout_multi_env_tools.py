@@ -258,6 +258,20 @@ def test_held_out_tool_episode_runs_the_tools_and_scores_the_answer():
                                        lambda completions, answer, **kw: exact_match_reward(completions, answer),
                                        max_new_tokens=80, max_tool_calls=4)
     assert (result["accuracy"], result["n"], result["tool_calls"]) == (1.0, 2, 2.0)
+    # a reward naming TRL's keywords, as in training (trainer_state, log_metric), scores the held-out episodes too
+    from types import SimpleNamespace
+
+    from trl_ext.evaluation import training_reward_kwargs
+
+    def trl_signature(completions, answer, trainer_state, log_metric, **kw):
+        log_metric("calc/seen", 1.0)
+        return [r * (trainer_state.global_step == 7) for r in exact_match_reward(completions, answer)]
+
+    named = evaluate_tool_environment(ScriptedModel(tokenizer), tokenizer, data, CalculatorEnv, trl_signature,
+                                      max_new_tokens=80, max_tool_calls=4,
+                                      reward_kwargs=training_reward_kwargs(SimpleNamespace(state=SimpleNamespace(
+                                          global_step=7))))
+    assert named["accuracy"] == 1.0
     # no tool round allowed: the episode ends with its first turn, whose call is not executed
     short = run_tool_episode(ScriptedModel(tokenizer), tokenizer, env, row, max_new_tokens=80, max_tool_calls=0)
     assert len(short) == 1 and short[0]["tool_calls"][0]["function"]["name"] == "add" and env.calls == []

@@ -489,8 +489,8 @@ class MultiEnv(Plugin):
                 cls = resolve_environment(env.environment)
                 out[env.name] = evaluate_tool_environment(
                     model, tokenizer, data, cls, score, max_new_tokens=self.params.eval_tool_max_new_tokens,
-                    max_tool_calls=self.params.eval_max_tool_calls, chat_template=getattr(trainer, "chat_template",
-                                                                                          None))
+                    max_tool_calls=self.params.eval_max_tool_calls,
+                    chat_template=getattr(trainer, "chat_template", None), reward_kwargs=training_reward_kwargs(trainer))
                 continue
             out[env.name] = evaluate_generation(model, tokenizer, data, score,
                                                 max_new_tokens=self.params.eval_max_new_tokens,

@@ -221,10 +221,13 @@ def run_tool_episode(model, tokenizer, env, row: dict, *, max_new_tokens: int, m
 
 
 def evaluate_tool_environment(model, tokenizer, dataset, factory, score, *, max_new_tokens: int,
-                              max_tool_calls: int, chat_template: str | None = None) -> dict:
+                              max_tool_calls: int, chat_template: str | None = None,
+                              reward_kwargs: dict | None = None) -> dict:
     """Held-out score of a tool environment: one greedy episode per row (:func:`run_tool_episode`), scored by
-    ``score`` like a TRL reward function. Returns ``evaluate_generation``'s keys plus ``tool_calls`` (mean tool calls
-    per episode)."""
+    ``score`` like a TRL reward function, with ``reward_kwargs`` (TRL's ``trainer_state``, ``log_metric``, ...:
+    :func:`trl_ext.evaluation.training_reward_kwargs`); no ``completion_ids``, as an episode's messages are re-rendered
+    rather than kept as tokens. Returns ``evaluate_generation``'s keys plus ``tool_calls`` (mean tool calls per
+    episode)."""
     from trl.chat_template_utils import add_response_schema
 
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
@@ -242,7 +245,9 @@ def evaluate_tool_environment(model, tokenizer, dataset, factory, score, *, max_
             own.append(float(env.get_reward()) if owns_reward else 0.0)
     finally:
         model.train(was_training)
-    columns = {name: dataset[name] for name in dataset.column_names if name != "prompt"}
+    columns = {name: dataset[name] for name in dataset.column_names if name not in ("prompt", "completion",
+                                                                                    "completion_ids")}
+    columns.update(reward_kwargs or {})
     rewards = score(prompts=dataset["prompt"], completions=episodes, **columns) if episodes else []
     rewards = [r + o for r, o in zip(rewards, own, strict=True)]  # get_reward counts with weight 1, as in TRL
     n = len(rewards)
