@@ -210,7 +210,7 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], correction:
              f"{grpo_args['max_completion_length']})" if long_tail else ""))
     print(f"{'GRPO stage':<28}{'steps':>6}{'held-out':>9}{'stage s':>8}{'rollout s/step':>15}{'ratio':>7}"
           f"{'decode/step':>12}{'trained/step':>13}{'rollout s/trained':>18}{'ratio':>7}")
-    rows, base = {}, None
+    rows, bases = {}, {}
     for name, label in labels.items():
         stage, logs = info["stages"][name], _metrics(out / name)
         n = steps_of[name]
@@ -218,7 +218,10 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], correction:
             "per_device_train_batch_size"]
         decode = _mean(logs, "partial_rollout/generation_steps", default=None) or _mean(logs, "completions/max_length")
         per_step = rollout_seconds[name] / n
-        base = base or (per_step, per_step / trained)
+        # ratios against TRL's stage of the same GRPO seed (the first configuration of each seed), so a slow spell on
+        # the machine during one seed's TRL stage does not skew every other seed's ratios
+        seed_key = name.rpartition("_seed")[2] if name.rpartition("_seed")[2].isdigit() else ""
+        base = bases.setdefault(seed_key, (per_step, per_step / trained))
         rows[name] = logs
         print(f"{label:<28}{n:>6}{stage['eval']['after']['accuracy']:>9.3f}{stage.get('seconds', float('nan')):>8.0f}"
               f"{per_step:>15.3f}{per_step / base[0]:>7.2f}{decode:>12.1f}{trained:>13.1f}"
