@@ -1,6 +1,7 @@
 """Kill -9 at every write point of a run, rerun the same command, get the uninterrupted run's result bit for bit.
 
-For an SFT, a GRPO, a BOND (moving EMA anchor), an MoE GRPO (routing replay, bfloat16 sampling copy) and a DPO stage
+For an SFT, a GRPO, a BOND (moving EMA anchor), an MoE GRPO (routing replay, bfloat16 sampling copy), an on-policy
+distillation (GKD, a teacher and sampled completions), an MTP-head (frozen trunk, cached samples) and a DPO stage
 (tiny embedded model, 4 steps, a checkpoint every 2): one uninterrupted run, then for each write point a run killed
 there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py: ``os._exit(137)``, which is what SIGKILL leaves: no cleanup, no
 ``finally``) followed by the same command again.
@@ -56,6 +57,25 @@ RECIPES = {
         "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 4,
                  "temperature": 1.0, "gradient_checkpointing": False},
     },
+    # On-policy distillation: the student samples completions (the restored RNG must redraw them) and a teacher scores
+    # them; GKD's mixing draw (lmbda 0.5: on-policy or the dataset's completion) is random per step too.
+    "gkd": {
+        "trainer": "distillation", "model": "embedded:tiny-qwen2-small", "teacher": "embedded:tiny-qwen2",
+        "plugins": [{"gkd": {"divergence": "jsd", "lmbda": 0.5}}],
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt_completion"}, "limit": 64},
+        "args": {**COMMON_ARGS, "per_device_train_batch_size": 4, "max_completion_length": 4, "temperature": 1.0,
+                 "gradient_checkpointing": False},
+    },
+    # MTP heads on a frozen trunk: the heads are the trained state and the sample cache the data, both resumed.
+    "mtp": {
+        "trainer": "mtp", "model": "embedded:tiny-glm4-moe-mtp",
+        "plugins": [{"mtp_heads": {"samples_per_prompt": 2, "max_new_tokens": 4, "acceptance_prompts": 4,
+                                     "acceptance_max_new_tokens": 4,
+                                     "held_out": {"source": "embedded:arithmetic", "split": "test",
+                                                  "params": {"format": "prompt"}}}}],
+        "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 32},
+        "args": {**COMMON_ARGS, "per_device_train_batch_size": 4},
+    },
     "dpo": {
         "trainer": "dpo", "model": "embedded:tiny-qwen2-small", "plugins": ["dpo"],
         "dataset": {"source": "embedded:arithmetic", "params": {"format": "preference"}, "limit": 64},
@@ -71,7 +91,7 @@ ALL_POINTS = ["checkpoint:2", "metrics:3", "train_end:1", "final_save:1", "write
 # runner code), which keeps each test to a few minutes on 2 CPU cores.
 CRASH_POINTS = {"sft": ALL_POINTS, "grpo": ["checkpoint:2", "metrics:3", "final_save:1"], "bond": ["checkpoint:2"],
                 "moe_grpo": ["checkpoint:2", "final_save:1"],
-                "dpo": ["checkpoint:2", "metrics:3", "final_save:1"]}
+                "dpo": ["checkpoint:2", "metrics:3", "final_save:1"], "gkd": ["checkpoint:2"], "mtp": ["checkpoint:2"]}
 
 
 def _driver(workdir: str, trainer: str) -> None:
