@@ -30,7 +30,7 @@ rises to 64.
 Measured (2-core CPU, transformers 5.25; the plugin docstring has the table). The held-out figures with groups
 deferred predate 66d3dd6, when deferred rows still counted in grpo's mean over sequences (each step then moved the
 policy by the trained fraction of a full step); the plugin docstring gives the re-measurements since (short answers,
-four GRPO seeds: lambda 0.75 + tis 0.436 against TRL at 8 x 8 per step 0.430), and this one:
+six GRPO seeds: lambda 0.75 + tis 0.444 against TRL at 8 x 8 per step 0.429), and this one:
 - after the fix, ``--held-out 400 --partial-steps 1000 --fractions 0.75 --long-tail 0.1 --eval-every 100 --grpo-seeds
   0 1 2`` (warm-up 0.465): 0.56 / 0.53 of TRL's rollout seconds per step (seeds 1 / 2), 1.16 / 1.12 per trained
   trajectory; held-out, mean of three seeds, TRL 0.543 / 0.587 / 0.503 at 25.6k / 38.4k / 51.2k trajectories, lambda

@@ -202,10 +202,10 @@ class PartialRollout(Plugin):
     * with the fix: 0.135 -> 0.223 and 0.138 -> 0.211;
     * before it: 0.135 -> 0.207.
 
-    Two more GRPO seeds from the same warm-up (the same recipe, seeds 2 and 3): TRL 0.435 and 0.360, lambda 0.75 +
-    tis 0.480 and 0.470. Over the four seeds TRL reaches 0.430 (0.450 / 0.475 / 0.435 / 0.360) and lambda 0.75 0.436
-    (0.405 / 0.390 / 0.480 / 0.470): with the row count fixed, the gap the first two seeds showed is within the
-    seed-to-seed spread (the row count was the cause measured: seed 0 before it, 0.305).
+    Four more GRPO seeds from the same warm-up (the same recipe, seeds 2-5): TRL 0.435 / 0.360 / 0.450 / 0.405,
+    lambda 0.75 + tis 0.480 / 0.470 / 0.455 / 0.465. Over the six seeds TRL reaches 0.429 and lambda 0.75 0.444: with
+    the row count fixed, the gap the first two seeds showed is within the seed-to-seed spread (the row count was the
+    cause measured: seed 0 before it, 0.305).
 
     Long tails after the fix (``benchmarks/partial_rollout.py --held-out 400 --partial-steps 1000 --fractions 0.75
     --long-tail 0.1 --eval-every 100 --grpo-seeds 0 1 2``, one run, warm-up 0.465): rollout seconds per step were 0.56
