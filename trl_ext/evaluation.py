@@ -104,7 +104,7 @@ def evaluate_generation(
         return [value for value in values for _ in range(samples)]
 
     # As TRL's _calculate_rewards: the row's columns except the ones it passes itself, then its own keywords.
-    keywords = {name: repeat(values) for name, values in columns.items() if name not in ("completion", "completion_ids")}
+    keywords = {name: repeat(values) for name, values in columns.items() if name not in TRL_SUPPLIED_COLUMNS}
     keywords.update(reward_kwargs or {})
     rewards = reward_fn(prompts=repeat(prompts), completions=completions, completion_ids=completion_ids, **keywords)
     n = len(rewards)
@@ -137,6 +137,10 @@ def _seeded_rng(seed: int, device: torch.device):
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         torch.manual_seed(seed)
         yield
+
+
+# Dataset columns TRL's reward call does not forward: it passes the prompts and completions it generated itself.
+TRL_SUPPLIED_COLUMNS = ("prompt", "completion", "completion_ids")
 
 
 def _until_eos(ids: list[int], eos_token_id: int | list[int] | None) -> list[int]:

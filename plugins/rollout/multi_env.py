@@ -468,6 +468,7 @@ class MultiEnv(Plugin):
         from trl_ext.rewards import collect_reward_functions, weighted_reward
 
         catalog = _catalog()
+        reward_kwargs = training_reward_kwargs(trainer)  # TRL's keywords, as in training
         tokenizer = trainer.processing_class
         out = {}
         for env in self.params.environments:
@@ -490,17 +491,17 @@ class MultiEnv(Plugin):
                 out[env.name] = evaluate_tool_environment(
                     model, tokenizer, data, cls, score, max_new_tokens=self.params.eval_tool_max_new_tokens,
                     max_tool_calls=self.params.eval_max_tool_calls,
-                    chat_template=getattr(trainer, "chat_template", None), reward_kwargs=training_reward_kwargs(trainer))
+                    chat_template=getattr(trainer, "chat_template", None), reward_kwargs=reward_kwargs)
                 continue
             out[env.name] = evaluate_generation(model, tokenizer, data, score,
                                                 max_new_tokens=self.params.eval_max_new_tokens,
                                                 batch_size=self.params.eval_batch_size,
-                                                reward_kwargs=training_reward_kwargs(trainer))
+                                                reward_kwargs=reward_kwargs)
             if self.params.eval_mean_at_k is not None:
                 out[env.name].update(sampled_evaluation(
                     model, tokenizer, data, score, self.params.eval_mean_at_k, self.params.eval_temperature or 1.0,
                     seed=trainer.args.seed, max_new_tokens=self.params.eval_max_new_tokens,
-                    batch_size=self.params.eval_batch_size, reward_kwargs=training_reward_kwargs(trainer)))
+                    batch_size=self.params.eval_batch_size, reward_kwargs=reward_kwargs))
         return out
 
 

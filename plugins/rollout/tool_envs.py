@@ -245,8 +245,9 @@ def evaluate_tool_environment(model, tokenizer, dataset, factory, score, *, max_
             own.append(float(env.get_reward()) if owns_reward else 0.0)
     finally:
         model.train(was_training)
-    columns = {name: dataset[name] for name in dataset.column_names if name not in ("prompt", "completion",
-                                                                                    "completion_ids")}
+    from trl_ext.evaluation import TRL_SUPPLIED_COLUMNS
+
+    columns = {name: dataset[name] for name in dataset.column_names if name not in TRL_SUPPLIED_COLUMNS}
     columns.update(reward_kwargs or {})
     rewards = score(prompts=dataset["prompt"], completions=episodes, **columns) if episodes else []
     rewards = [r + o for r, o in zip(rewards, own, strict=True)]  # get_reward counts with weight 1, as in TRL

@@ -385,7 +385,7 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         self._loss_extra_keys = tuple(dict.fromkeys((*self._loss_extra_keys, *batch.loss_extras)))
         if keep is not None:
             # where, not a product: an advantage plugin may leave NaN or inf at a filtered row, and 0 * NaN is NaN
-            local_keep = keep[batch.process_slice].to(output["completion_mask"].device)
+            local_keep = keep[batch.process_slice].to(output["completion_mask"].device).bool()
             adv = output["advantages"]
             kept = local_keep if adv.dim() == 1 else local_keep.unsqueeze(1)
             output["advantages"] = torch.where(kept.to(adv.device), adv, torch.zeros_like(adv))
