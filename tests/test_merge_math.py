@@ -181,3 +181,23 @@ def test_gram_fold_equals_vector_slerp():
     assert slerp_fold_coefficients(parallel @ parallel.T, 0.25) == ([0.75, 0.25], 1)
     with pytest.raises(ZeroTaskVectorError):
         slerp_fold_coefficients(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+
+
+def test_a_running_merge_that_cancelled_folds_the_next_run_in_linearly():
+    """M = 3 with d_2 = -d_1: the first fold is linear (anti-parallel) and leaves exactly zero, which has no angle, so
+    the third run is folded linearly: 2/3 * 0 + 1/3 * d_3 (before, this raised 'a task vector is exactly zero' although
+    no run's task vector was zero)."""
+    d1, d3 = torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.0, 0.0, 3.0])
+    merged, fallbacks = slerp_many([d1, -d1, d3])
+    assert merged.tolist() == pytest.approx([0.0, 0.0, 1.0]) and fallbacks == 2
+    stacked = torch.stack([d1, -d1, d3]).double()
+    coefficients, gram_fallbacks = slerp_fold_coefficients(stacked @ stacked.T)
+    assert coefficients == pytest.approx([1 / 3, 1 / 3, 1 / 3]) and gram_fallbacks == 2
+    # a zero task vector is still refused, naming which one, in both forms
+    with pytest.raises(ZeroTaskVectorError, match="task vector 2 is exactly zero"):
+        slerp_many([d1, torch.zeros(3), d3])
+    with pytest.raises(ZeroTaskVectorError, match="task vector 1 is exactly zero"):
+        slerp_many([torch.zeros(3), d1, d3])
+    zero_second = torch.stack([d1, torch.zeros(3), d3]).double()
+    with pytest.raises(ZeroTaskVectorError, match="task vector 2 is exactly zero"):
+        slerp_fold_coefficients(zero_second @ zero_second.T)

@@ -226,3 +226,44 @@ def test_warp_anchor_survives_a_crash(tmp_path):
     restarted = 0.99 * init[key].double() + 0.01 * theta_3[key].double()
     assert torch.allclose(anchor_3[key].double(), continued, atol=1e-7)
     assert not torch.allclose(anchor_3[key].double(), restarted, atol=1e-7)
+
+
+def test_a_merge_stage_killed_while_moving_files_in_reruns_to_the_merge(tmp_path, monkeypatch):
+    """`model:` a single file, sources sharded: a kill after the first shard moved in left that shard beside the copied
+    model.safetensors; the rerun copies `model:` again and must not read the leftover with it (the stale index of a
+    later kill made every rerun fail on a missing shard)."""
+    import trl_ext_plugins.merge.streaming as streaming
+    from transformers import AutoModelForCausalLM
+
+    from trl_ext.embedded.models import materialize_model
+
+    base = str(materialize_model("tiny-qwen2", tmp_path / "base", seed=0))
+    sources = []
+    for seed in (1, 2):
+        folder = _save_perturbed(base, tmp_path / f"s{seed}", seed)
+        AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, max_shard_size="100KB")
+        assert (Path(folder) / "model.safetensors.index.json").is_file()
+        sources.append(folder)
+    recipe = parse_recipe({"seed": 0, "stages": [{
+        "name": "soup", "trainer": "merge", "model": base,
+        "plugins": [{"checkpoint_average": {"sources": sources}}]}]})
+    real = streaming.os.replace
+
+    def killed_after_one_move(src, dst):
+        if Path(dst).parent.name == "soup" and any(Path(dst).parent.glob("model-*.safetensors")):
+            raise KeyboardInterrupt("killed")
+        real(src, dst)
+
+    monkeypatch.setattr(streaming.os, "replace", killed_after_one_move)
+    with pytest.raises(KeyboardInterrupt):
+        run_recipe(recipe, tmp_path / "run", _catalog(), echo=lambda _m: None)
+    stage = tmp_path / "run" / "soup"
+    assert len(list(stage.glob("model-*.safetensors"))) == 1 and (stage / "model.safetensors").is_file()
+    leftover = next(stage.glob("model-*.safetensors")).name
+    monkeypatch.setattr(streaming.os, "replace", real)
+    run_recipe(recipe, tmp_path / "run", _catalog(), echo=lambda _m: None)
+    merged = AutoModelForCausalLM.from_pretrained(stage).state_dict()
+    first, second = (AutoModelForCausalLM.from_pretrained(s).state_dict() for s in sources)
+    for key, value in merged.items():
+        assert torch.equal(value, (0.5 * first[key].double() + 0.5 * second[key].double()).float()), key
+    assert not (stage / "model.safetensors").exists() and (stage / leftover).is_file()

@@ -27,6 +27,11 @@ class NonFiniteWeightsError(ValueError):
     """A tensor to be merged holds NaN or Inf, so every merge of it (average, angle, SLERP) is undefined."""
 
 
+class MalformedWeightsError(ValueError):
+    """A model folder's weight files cannot be read as safetensors weights (bad index, unreadable or lying shard,
+    an unsupported dtype)."""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Weights of an average
 # ----------------------------------------------------------------------------------------------------------------
@@ -121,18 +126,42 @@ def slerp_many(deltas: Sequence[torch.Tensor], t: float | None = None,
     orthogonal unit task vectors get coefficients (0.612, 0.612, 0.5), norm 1. ``t`` overrides ``t_2`` and is only
     meaningful for M = 2 (WARP's lambda).
     For M > 2 the result depends on the order of the runs (SLERP is not associative); the runs are folded in the
-    order given. M = 1 returns d_1.
+    order given, and a running merge that cancelled to zero (anti-parallel runs) folds the next run in linearly
+    (:func:`running_merge_cancelled`). M = 1 returns d_1.
     """
     if not deltas:
         raise ValueError("nothing to interpolate")
     if t is not None and len(deltas) != 2:
         raise ValueError(f"an explicit SLERP t applies to exactly 2 task vectors, got {len(deltas)}")
     acc, fallbacks = deltas[0].to(torch.float64), 0
+    scale = float(torch.linalg.vector_norm(acc))  # sum_k |a_k| |d_k| of acc = sum_k a_k d_k: the size of its parts
+    if scale == 0 and len(deltas) > 1:
+        raise ZeroTaskVectorError("task vector 1 is exactly zero; its angle is undefined")
     for m, delta in enumerate(deltas[1:], start=2):
-        c1, c2, linear = slerp_coefficients(acc, delta, t if t is not None else 1.0 / m, colinear_threshold)
-        acc = c1 * acc + c2 * delta.to(torch.float64)
+        t_m = t if t is not None else 1.0 / m
+        delta = delta.to(torch.float64)
+        norm_m = float(torch.linalg.vector_norm(delta))
+        if norm_m == 0:
+            raise ZeroTaskVectorError(f"task vector {m} is exactly zero; its angle is undefined")
+        if running_merge_cancelled(float(torch.linalg.vector_norm(acc)), scale):
+            c1, c2, linear = 1.0 - t_m, t_m, True
+        else:
+            c1, c2, linear = slerp_coefficients(acc, delta, t_m, colinear_threshold)
+        acc = c1 * acc + c2 * delta
+        scale = abs(c1) * scale + abs(c2) * norm_m
         fallbacks += linear
     return acc, fallbacks
+
+
+def running_merge_cancelled(norm_acc: float, scale: float) -> bool:
+    """The running merge of M > 2 folds is zero (or rounding away from it) although its task vectors are not.
+
+    The linear fallback cancels anti-parallel task vectors (equal norms, t = 0.5: exactly zero), and a zero running
+    merge has no direction, so the next fold cannot be spherical: it is linear too, ``(1 - t) acc + t d_m``, counted
+    as a fallback. "Zero" is relative to the size of the parts it was built from (``scale = sum_k |a_k| |d_k|``), at
+    1e-7, above float64 rounding of ``a^T G a`` (the Gram path) and the same in the vector path.
+    """
+    return norm_acc <= 1e-7 * scale
 
 
 def slerp_fold_coefficients(gram: torch.Tensor, t: float | None = None,
@@ -142,8 +171,8 @@ def slerp_fold_coefficients(gram: torch.Tensor, t: float | None = None,
     Every fold keeps the running vector a linear combination ``acc = sum_m a_m d_m``, so ``|acc|^2 = a^T G a`` and
     ``<acc, d_m> = (G a)_m``: the merged task vector's coefficients ``a`` follow without holding any vector in memory.
     This is how the streamed merge computes SLERP (one pass for G, one for the output). Returns ``a`` and the number
-    of folds that used the linear fallback; raises :class:`ZeroTaskVectorError` when a vector (or the running merge)
-    is zero.
+    of folds that used the linear fallback (a running merge that cancelled to zero folds linearly, see
+    :func:`running_merge_cancelled`); raises :class:`ZeroTaskVectorError` when a task vector is zero.
     """
     g = gram.to(torch.float64)
     if not bool(torch.isfinite(g).all()):
@@ -154,13 +183,18 @@ def slerp_fold_coefficients(gram: torch.Tensor, t: float | None = None,
     a = torch.zeros(m_total, dtype=torch.float64)
     a[0] = 1.0
     fallbacks = 0
+    norms = torch.sqrt(torch.clamp(torch.diagonal(g), min=0.0))
+    for k in range(m_total):
+        if norms[k] == 0:
+            raise ZeroTaskVectorError(f"task vector {k + 1} is exactly zero; its angle is undefined")
     for m in range(1, m_total):
+        t_m = t if t is not None else 1.0 / (m + 1)
         norm_acc = math.sqrt(max(float(a @ g @ a), 0.0))
-        norm_m = math.sqrt(max(float(g[m, m]), 0.0))
-        if norm_acc == 0 or norm_m == 0:
-            raise ZeroTaskVectorError("a task vector is exactly zero; its angle is undefined")
-        cos = max(-1.0, min(1.0, float((g @ a)[m]) / (norm_acc * norm_m)))
-        c1, c2, linear = coefficients_from_cos(cos, t if t is not None else 1.0 / (m + 1), colinear_threshold)
+        if running_merge_cancelled(norm_acc, float(a.abs() @ norms)):
+            c1, c2, linear = 1.0 - t_m, t_m, True
+        else:
+            cos = max(-1.0, min(1.0, float((g @ a)[m]) / (norm_acc * float(norms[m]))))
+            c1, c2, linear = coefficients_from_cos(cos, t_m, colinear_threshold)
         a = c1 * a
         a[m] += c2
         fallbacks += linear

@@ -27,6 +27,7 @@ import torch
 
 from trl_ext_plugins.merge.math import (
     ArchitectureMismatchError,
+    MalformedWeightsError,
     NonFiniteWeightsError,
     check_same_tensors,
     weighted_average,
@@ -45,10 +46,28 @@ class TensorInfo:
 
 
 def weight_files(folder: str | Path) -> list[str]:
-    """The safetensors weight files of a model folder (file names), in index order."""
+    """The safetensors weight files of a model folder (file names), in index order.
+
+    An index is read as untrusted input: it must be JSON with a ``weight_map`` of tensor name -> a plain
+    ``*.safetensors`` file name in the folder, so no entry can point the merge at (or make it write) a path outside
+    the folder; anything else is refused naming the index file.
+    """
     folder = Path(folder)
     if (folder / INDEX_FILE).is_file():
-        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        index_path = folder / INDEX_FILE
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MalformedWeightsError(f"{index_path}: not a JSON safetensors index ({exc})") from None
+        except (KeyError, TypeError):
+            raise MalformedWeightsError(f"{index_path}: no 'weight_map' object (tensor name -> shard file)") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise MalformedWeightsError(f"{index_path}: 'weight_map' must be a non-empty object (tensor name -> "
+                                        f"shard file)")
+        for name, file_name in weight_map.items():
+            if not _plain_shard_name(file_name):
+                raise MalformedWeightsError(f"{index_path}: weight_map[{name!r}] = {file_name!r} is not a "
+                                            f"*.safetensors file name inside the folder")
         return sorted(set(weight_map.values()))
     if (folder / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
@@ -57,17 +76,48 @@ def weight_files(folder: str | Path) -> list[str]:
                             f"safetensors model weights")
 
 
+def _plain_shard_name(file_name) -> bool:
+    """A bare ``*.safetensors`` file name: no directory part, no ``..``, no hidden or absolute path."""
+    return (isinstance(file_name, str) and file_name.endswith(".safetensors") and not file_name.startswith(".")
+            and "/" not in file_name and "\\" not in file_name and "\0" not in file_name
+            and Path(file_name).name == file_name)
+
+
 def tensor_index(folder: str | Path) -> dict[str, TensorInfo]:
-    """Name -> (file, shape, dtype) of every tensor in a model folder, read from the headers only."""
+    """Name -> (file, shape, dtype) of every tensor in a model folder, read from the headers only.
+
+    A shard that is missing or unreadable, and an index entry whose tensor is not in the shard it names, are refused
+    naming the file (the merge would otherwise fail later without a name, or copy an index that lies).
+    """
     from safetensors import safe_open
 
     folder = Path(folder)
     index: dict[str, TensorInfo] = {}
     for name in weight_files(folder):
-        with safe_open(str(folder / name), framework="pt") as handle:
-            for key in handle.keys():
-                piece = handle.get_slice(key)
-                index[key] = TensorInfo(name, tuple(piece.get_shape()), piece.get_dtype())
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: weight file missing (listed in {folder / INDEX_FILE})")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    index[key] = TensorInfo(name, tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as exc:  # safetensors raises its own error types for a bad header or a truncated file
+            if isinstance(exc, MalformedWeightsError):
+                raise
+            raise MalformedWeightsError(f"{path}: not a readable safetensors file ({type(exc).__name__}: "
+                                        f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+    if (folder / INDEX_FILE).is_file():
+        listed = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        for key, file_name in listed.items():
+            if key not in index or index[key].file != file_name:
+                raise MalformedWeightsError(f"{folder / INDEX_FILE}: tensor {key!r} is listed in {file_name!r} but "
+                                            f"that file does not hold it")
+    for key, info in index.items():
+        if info.dtype not in FLOAT_CODES | COPIED_CODES:
+            raise MalformedWeightsError(f"{folder / info.file}: tensor {key!r} has dtype {info.dtype}, which merging "
+                                        f"does not support (floating types are merged, integer and bool ones "
+                                        f"copied)")
     return index
 
 
@@ -88,7 +138,10 @@ def check_sources(sources: Sequence[str | Path], who: str) -> list[dict[str, Ten
 # LITI is also a linear combination of the sources, with weights that depend on the task vectors' angles.
 WeightsFn = Callable[[str, "torch.Tensor | None"], Sequence[float]]
 
-FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+# safetensors dtype codes: floating ones are merged (float8 read and combined in float64 like the others), integer and
+# bool ones are copied from the base; any other code (complex, sub-byte floats) is refused by tensor_index.
+FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+COPIED_CODES = frozenset({"BOOL", "I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"})
 
 
 def read_rows(folder: Path, info: TensorInfo, name: str, rows: slice | None) -> torch.Tensor:
@@ -162,7 +215,7 @@ def stream_merge(sources: Sequence[str | Path], out_dir: str | Path, weights_fn:
             for rows in row_chunks(info.shape, chunk_elements):
                 pieces = [read_rows(src, idx[name], name, rows) for src, idx in zip(sources, indexes)]
                 for src, piece in zip(sources, pieces):
-                    if not bool(torch.isfinite(piece).all()):
+                    if not bool(torch.isfinite(piece.to(torch.float64)).all()):  # isfinite has no float8 kernel
                         raise NonFiniteWeightsError(f"{who}: tensor {name!r} holds NaN or Inf in {str(src)!r}")
                 if out is None:
                     out = torch.empty(info.shape, dtype=pieces[base].dtype)
@@ -180,13 +233,26 @@ def stream_merge(sources: Sequence[str | Path], out_dir: str | Path, weights_fn:
 
 
 def _replace_weights(out_dir: Path, tmp: Path) -> None:
-    """Move the new weight files in, after removing weight files of the old layout they do not overwrite."""
-    new = {p.name for p in tmp.iterdir()}
-    for old in [*out_dir.glob("model*.safetensors"), out_dir / INDEX_FILE]:
-        if old.is_file() and old.name not in new:
-            old.unlink()
+    """Move the new weight files in so that a kill at any instant leaves a folder that reads as one whole model.
+
+    The folder is read through its index when it has one, else through ``model.safetensors``. So new shards go in
+    first (unreferenced until their index arrives), then the file that switches the folder to the new layout (the new
+    index; or the new single file, followed by removing an old index), and only then are old files the new layout does
+    not use removed. Shards that keep their names are replaced one by one: a kill between two of them leaves a whole
+    but partly merged model, which the rerun of the unfinished stage rewrites (the runner reruns any stage without its
+    completion record).
+    """
+    new = sorted(p.name for p in tmp.iterdir())
+    switch = INDEX_FILE if INDEX_FILE in new else SINGLE_FILE
     for name in new:
-        os.replace(tmp / name, out_dir / name)
+        if name != switch:
+            os.replace(tmp / name, out_dir / name)
+    os.replace(tmp / switch, out_dir / switch)
+    if switch == SINGLE_FILE:
+        (out_dir / INDEX_FILE).unlink(missing_ok=True)
+    for old in out_dir.glob("model*.safetensors"):
+        if old.name not in new:
+            old.unlink()
     tmp.rmdir()
 
 

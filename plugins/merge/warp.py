@@ -100,7 +100,9 @@ class Warp(Plugin):
       and the run (default), or interpolated linearly (``zero_task_vector: linear``).
     * M > 2: iterated pairwise SLERP, acc = slerp(acc, delta_m; 1/m) for m = 2..M, in the order of ``runs``
       (SLERP is not associative, so the order matters; three orthogonal unit task vectors get 0.612, 0.612, 0.5);
-      an explicit ``slerp_t`` is only accepted for M = 2.
+      an explicit ``slerp_t`` is only accepted for M = 2. When the running merge has cancelled to zero (two
+      anti-parallel runs of equal norm, merged linearly as above), it has no angle, so the next run is folded in
+      linearly, ``(1 - 1/m) acc + delta_m / m``, and the tensor counts as a linear fallback.
     * The merge streams tensor by tensor through safetensors (peak memory about one model, see
       ``checkpoint_average``); runs whose tensor names or shapes differ from theta_init are refused naming the tensor.
     """

@@ -105,7 +105,13 @@ class ExtMergeTrainer(HostMixin):
         target = Path(output_dir)
         if self.accelerator.is_main_process:
             target.mkdir(parents=True, exist_ok=True)
-            for item in _model_files(self.model_path):
+            sources = _model_files(self.model_path)
+            # A rerun after a kill mid-merge finds the weight files of a half-moved merge here: a shard or an index
+            # the model: folder does not have would be read with the copied files and mix two layouts.
+            for stale in _model_files(target):
+                if stale.name not in {item.name for item in sources}:
+                    stale.unlink()
+            for item in sources:
                 shutil.copyfile(item, target / item.name)
         self.accelerator.wait_for_everyone()
 
