@@ -147,3 +147,20 @@ def test_off_policy_without_completion_column_is_refused():
     with pytest.raises(ValueError, match="no 'completion' column"):
         GKD(GKDParams(lmbda=0.5)).trl_ext_prepare_dataset(arithmetic_dataset("train", format="prompt", size=4),
                                                          "train", None)
+
+
+def test_tokenizers_are_compared_by_their_ids_only(tiny_model_dir):
+    """The teacher scores the student's ids, so only the token -> id map must agree: a pad-less tokenizer (Llama 3,
+    Mistral), whose pad the runner and TRL set to EOS for the student only, was refused as "different tokenizers"
+    distilling a model into itself; an instruct teacher whose EOS is another token of the same vocabulary was too."""
+    from trl_ext_plugins.distill import teachers as tch
+
+    student = AutoTokenizer.from_pretrained(tiny_model_dir)
+    teacher = AutoTokenizer.from_pretrained(tiny_model_dir)
+    student.pad_token, teacher.pad_token = student.eos_token, None
+    vocab = teacher.get_vocab()
+    teacher.eos_token = next(token for token in vocab if token != student.eos_token and vocab[token] > 3)
+    tch.check_same_tokenizer(student, teacher, "student", "teacher")  # no error
+    teacher.add_tokens(["<only-in-teacher>"])
+    with pytest.raises(tch.TeacherError, match=r"vocabularies differ \(\d+ vs \d+ tokens"):
+        tch.check_same_tokenizer(student, teacher, "student", "teacher")

@@ -61,25 +61,22 @@ def served_url(ref: str) -> str | None:
     return ref[len(SERVED_PREFIX):].rstrip("/") if ref.startswith(SERVED_PREFIX) else None
 
 
-def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
-    return {"vocab": tokenizer.get_vocab(), "eos": tokenizer.eos_token, "pad": tokenizer.pad_token,
-            "bos": tokenizer.bos_token}
-
-
 def check_same_tokenizer(student, teacher, student_name: str, teacher_name: str) -> None:
-    """Raise :class:`TeacherError` naming both models unless the two tokenizers map tokens to the same ids."""
-    s, t = tokenizer_fingerprint(student), tokenizer_fingerprint(teacher)
+    """Raise :class:`TeacherError` naming both models unless the two tokenizers map tokens to the same ids.
+
+    Only the token -> id map (added tokens included) is compared: the teacher scores the student's ids, and nothing
+    else about its tokenizer is used on them. Special-token *roles* may differ: a pad-less tokenizer (Llama 3,
+    Mistral) has its pad set to EOS for the student by the runner and TRL but not for a freshly loaded teacher, and
+    an instruct teacher of a base student's family ends turns with another token of the same vocabulary.
+    """
+    s, t = student.get_vocab(), teacher.get_vocab()
     if s == t:
         return
-    if s["vocab"] != t["vocab"]:
-        only_s = len(set(s["vocab"].items()) - set(t["vocab"].items()))
-        detail = (f"vocabularies differ ({len(s['vocab'])} vs {len(t['vocab'])} tokens, {only_s} student tokens "
-                  f"absent or renumbered in the teacher)")
-    else:
-        detail = "special tokens differ (" + ", ".join(
-            f"{k}: {s[k]!r} vs {t[k]!r}" for k in ("eos", "pad", "bos") if s[k] != t[k]) + ")"
-    raise TeacherError(f"teacher {teacher_name!r} and student {student_name!r} use different tokenizers: {detail}; "
-                       "the teacher must score the student's token ids (use a teacher of the same model family)")
+    only_s = len(set(s.items()) - set(t.items()))
+    raise TeacherError(f"teacher {teacher_name!r} and student {student_name!r} use different tokenizers: vocabularies "
+                       f"differ ({len(s)} vs {len(t)} tokens, {only_s} student tokens absent or renumbered in the "
+                       "teacher); the teacher must score the student's token ids (use a teacher of the same model "
+                       "family)")
 
 
 def load_tokenizer(path: str):
