@@ -8,6 +8,7 @@ import torch
 from trl_ext.errors import RecipeError
 from trl_ext.recipe import StageSpec
 from trl_ext.stage import resolve_stage
+from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill.bond import BEST_KEY, BOND, BONDParams, best_in_group, bon_nll, bond_advantages
 
 
@@ -92,3 +93,18 @@ def test_ema_anchor_under_peft_is_refused(trl_ext_catalog, tiny_model_dir):
         resolve_stage(stage("ema"), 0, trl_ext_catalog)
     # the fixed reference works under PEFT (TRL scores it with the adapter disabled)
     resolve_stage(stage("reference"), 0, trl_ext_catalog)
+
+
+def test_unscorable_samples_stay_out_of_the_estimates():
+    """A NaN reward counted as the worst one: it took the most negative advantage and raised the other samples' p_le.
+    Now the scorable samples get what they get without it, the NaN sample 0, and it is never the best."""
+    nan = float("nan")
+    adv = bond_advantages(torch.tensor([nan, 1.0, 0.0, 1.0]), 4, 4, 0.5)
+    # scorable rewards [1, 0, 1]: p_le = [1, 1/3, 1]; log mean = -ln(3)/3; 0.5 * 3 * (log p_le - mean)
+    third = math.log(3.0) / 3.0
+    assert adv.tolist() == pytest.approx([0.0, 1.5 * third, 1.5 * (third - math.log(3.0)), 1.5 * third])
+    assert adv.tolist() == pytest.approx([0.0, *bond_advantages(torch.tensor([1.0, 0.0, 1.0]), 3, 4, 0.5).tolist()])
+    assert dm.group_p_le(torch.tensor([nan, 1.0, 0.0, 1.0]), 4)[1:].tolist() == pytest.approx([1.0, 1 / 3, 1.0])
+    assert best_in_group(torch.tensor([nan, 0.0, 2.0, nan, nan, nan, nan, nan]), 4).tolist() == [0, 0, 1, 0,
+                                                                                                  0, 0, 0, 0]
+    assert bond_advantages(torch.full((4,), nan), 4, 4, 0.5).tolist() == [0.0] * 4

@@ -44,7 +44,8 @@ class BOND(Plugin):
       added through ``trl_ext_extra_loss``.
 
     Conventions: ``p_le(y)`` is estimated from the group itself (the G samples act as the anchor's samples, the sample
-    counts itself, ties are "<=", so ``p_le >= 1/G`` and the log is finite); samples come from the current policy,
+    counts itself, ties are "<=", so ``p_le >= 1/G`` and the log is finite; an unscorable sample, NaN reward, is
+    left out of its group's estimates, mean and best, with advantage 0); samples come from the current policy,
     which is J-BOND's on-policy regime rather than BOND's sampling from ``pi_ref``. ``anchor: ema`` makes TRL's
     reference model an exponential moving average of the policy (updated after every optimizer step with
     ``ema_rate``, J-BOND default about 0.02, not verified), so the KL regulariser follows a moving anchor; J-BOND's
@@ -79,8 +80,8 @@ class BOND(Plugin):
     def trl_ext_compute_advantages(self, rewards, batch):
         group = batch.num_generations
         n = self.params.n or group
-        advantages = bond_advantages(torch.nan_to_num(rewards.float(), nan=float("-inf")), group, n, self.params.beta)
-        best = best_in_group(torch.nan_to_num(rewards.float(), nan=float("-inf")), group)
+        advantages = bond_advantages(rewards.float(), group, n, self.params.beta)
+        best = best_in_group(rewards.float(), group)
         batch.loss_extras[BEST_KEY] = best[batch.process_slice].to(batch.completion_mask.device)
         best_rows = best.bool() if batch.keep is None else best.bool() & batch.keep.to(best.device)
         batch.metrics["bond/best_reward"] = rewards[best_rows].nanmean().item()  # groups a filter dropped left out
@@ -110,17 +111,27 @@ class BOND(Plugin):
 
 
 def bond_advantages(rewards: torch.Tensor, group_size: int, n: int, beta: float) -> torch.Tensor:
-    """``beta (N - 1) (log p_le - group mean of log p_le)`` per sample, ``(N_rows,)``."""
+    """``beta (N - 1) (log p_le - group mean of log p_le)`` per sample, ``(N_rows,)``.
+
+    Unscorable samples (NaN reward) get 0 and stay out of their group's estimates and mean (the project's rule for
+    unscorable rows; before, a NaN counted as the worst reward and raised the others' ``p_le``)."""
     log_p = torch.log(dm.group_p_le(rewards, group_size)).view(-1, group_size)
-    return (beta * (n - 1) * (log_p - log_p.mean(dim=1, keepdim=True))).reshape(-1)
+    scorable = ~torch.isnan(log_p)
+    count = scorable.sum(dim=1, keepdim=True).clamp(min=1)
+    mean = torch.where(scorable, log_p, torch.zeros_like(log_p)).sum(dim=1, keepdim=True) / count
+    advantages = beta * (n - 1) * (log_p - mean)
+    return torch.where(scorable, advantages, torch.zeros_like(advantages)).reshape(-1)
 
 
 def best_in_group(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """1.0 for each group's highest-reward row (the first one on ties), else 0.0, ``(N_rows,)``."""
+    """1.0 for each group's highest-reward row (the first one on ties), else 0.0, ``(N_rows,)``; an unscorable (NaN)
+    row is never the best, and a group with no scorable row has none."""
     grouped = rewards.view(-1, group_size)
+    scorable = ~torch.isnan(grouped)
+    ranked = torch.where(scorable, grouped, torch.full_like(grouped, -torch.inf))
     best = torch.zeros_like(grouped)
-    best.scatter_(1, grouped.argmax(dim=1, keepdim=True), 1.0)
-    return best.reshape(-1)
+    best.scatter_(1, ranked.argmax(dim=1, keepdim=True), 1.0)
+    return torch.where(scorable.any(dim=1, keepdim=True), best, torch.zeros_like(best)).reshape(-1)
 
 
 def bon_nll(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -114,10 +114,16 @@ def group_p_le(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """``p_le`` of each sample estimated from its own group (the G samples of one prompt), ``(N,)``.
 
     Each group's samples serve as the anchor samples of the others; a sample counts itself (ties are "<="), so the
-    estimate lies in ``[1/G, 1]`` and its log is finite.
+    estimate lies in ``[1/G, 1]`` and its log is finite. An unscorable sample (NaN reward) is no anchor sample and has
+    no estimate (NaN): the others' estimates are taken over the scorable samples of their group, as if it had not
+    been drawn.
     """
     grouped = rewards.view(-1, group_size)
-    return (grouped.unsqueeze(1) <= grouped.unsqueeze(2)).to(rewards.dtype).mean(dim=2).reshape(-1)
+    scorable = ~torch.isnan(grouped)
+    # [group, i, j]: r_j <= r_i; a comparison with NaN is False, so unscorable anchors j never count
+    at_most = (grouped.unsqueeze(1) <= grouped.unsqueeze(2)).to(rewards.dtype).sum(dim=2)
+    estimate = at_most / scorable.sum(dim=1, keepdim=True).clamp(min=1).to(rewards.dtype)
+    return torch.where(scorable, estimate, torch.full_like(estimate, torch.nan)).reshape(-1)
 
 
 def jeffreys(forward_kl: torch.Tensor, reverse_kl: torch.Tensor, beta: float) -> torch.Tensor:
