@@ -205,11 +205,29 @@ def test_effort_level_teachers(tiny_trainer, teachers):
 def test_unknown_domain_is_an_error_naming_it(teachers):
     plugin = MultiTeacherOPD(MultiTeacherParams(teachers={"a": teachers["a"]}))
     ds = domains_dataset(4)
-    with pytest.raises(ValueError, match=r"domain\(s\) \['b'\] with no teacher; known domains: \['a'\]"):
+    with pytest.raises(ValueError, match=r"domain\(s\) \['b'\] with no teacher; teachers: \['a'\]"):
         plugin.trl_ext_prepare_dataset(dataset=ds, split="train", stage=None)
     with pytest.raises(ValueError, match="no routing column 'topic'"):
         MultiTeacherOPD(MultiTeacherParams(teachers=teachers, column="topic")).trl_ext_prepare_dataset(
             dataset=ds, split="train", stage=None)
+
+
+def test_effort_teachers_are_checked_per_row_before_training(teachers):
+    """A 'math@high' teacher alone does not serve rows of effort 'low'; the dataset check looked only at the domain
+    prefix, so training failed at the first such batch with 'domain 'a' has no teacher; known domains: ['a']'."""
+    from datasets import Dataset
+
+    plugin = MultiTeacherOPD(MultiTeacherParams(teachers={"a@high": teachers["a"], "b": teachers["b"]},
+                                                effort_column="effort"))
+    rows = Dataset.from_dict({"prompt": ["1", "2", "3"], "domain": ["a", "a", "b"], "effort": ["high", "low", "low"]})
+    with pytest.raises(ValueError, match=r"domain\(s\) \['a \(effort low\)'\] with no teacher; "
+                                         r"teachers: \['a@high', 'b'\]"):
+        plugin.trl_ext_prepare_dataset(dataset=rows, split="train", stage=None)
+    with pytest.raises(ValueError, match="no teacher for domain 'a' \\(column 'domain'\\) and effort 'low'"):
+        plugin.route({"domain": "a", "effort": "low"})
+    assert plugin.trl_ext_prepare_dataset(dataset=rows.select([0, 2]), split="train", stage=None) is None
+    with pytest.raises(ValueError, match="no effort column 'effort'"):
+        plugin.trl_ext_prepare_dataset(dataset=rows.remove_columns("effort"), split="train", stage=None)
 
 
 def _grpo_stage(name, plugins, model="embedded:tiny-qwen2", teacher=None):

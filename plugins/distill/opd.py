@@ -281,13 +281,19 @@ class MultiTeacherOPD(_OPDBase):
 
     def route(self, row):
         domain = str(row.get(self.params.column))
-        key = domain
-        if self.params.effort_column is not None and f"{domain}@{row.get(self.params.effort_column)}" in self.params.teachers:
-            key = f"{domain}@{row.get(self.params.effort_column)}"
-        if key not in self.params.teachers:
-            raise ValueError(f"{self.name}: prompt routed to domain {domain!r} (column {self.params.column!r}) has no "
-                             f"teacher; known domains: {sorted(self.domains())}")
+        key = self.teacher_key(domain, row.get(self.params.effort_column) if self.params.effort_column else None)
+        if key is None:
+            effort = (f" and effort {row.get(self.params.effort_column)!r} (column {self.params.effort_column!r})"
+                      if self.params.effort_column else "")
+            raise ValueError(f"{self.name}: no teacher for domain {domain!r} (column {self.params.column!r}){effort}; "
+                             f"teachers: {sorted(self.params.teachers)}")
         return key, self.params.weights.get(domain, 1.0)
+
+    def teacher_key(self, domain: str, effort) -> str | None:
+        """``domain@effort`` when that teacher exists, else ``domain`` when it exists, else None (no teacher)."""
+        if effort is not None and f"{domain}@{effort}" in self.params.teachers:
+            return f"{domain}@{effort}"
+        return domain if domain in self.params.teachers else None
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
@@ -306,10 +312,20 @@ class MultiTeacherOPD(_OPDBase):
         if column not in dataset.column_names:
             raise ValueError(f"{self.name}: the train dataset has no routing column {column!r} "
                              f"(has: {', '.join(dataset.column_names)})")
-        unknown = sorted({str(v) for v in dataset[column]} - self.domains())
-        if unknown:
-            raise ValueError(f"{self.name}: column {column!r} names domain(s) {unknown} with no teacher; known "
-                             f"domains: {sorted(self.domains())}")
+        effort_column = self.params.effort_column
+        if effort_column is not None and effort_column not in dataset.column_names:
+            raise ValueError(f"{self.name}: the train dataset has no effort column {effort_column!r} "
+                             f"(params.effort_column; has: {', '.join(dataset.column_names)})")
+        # every (domain, effort) pair must route as training will route it: a 'math@high' teacher alone does not
+        # serve the rows of effort 'low', and that failed at their first batch instead of here
+        efforts = dataset[effort_column] if effort_column is not None else [None] * len(dataset)
+        unrouted = sorted({(str(d), str(e)) for d, e in zip(dataset[column], efforts)
+                           if self.teacher_key(str(d), e) is None})
+        if unrouted:
+            shown = [d if effort_column is None else f"{d} (effort {e})" for d, e in unrouted[:5]]
+            raise ValueError(f"{self.name}: column {column!r} names domain(s) {shown}"
+                             f"{f' and {len(unrouted) - 5} more' if len(unrouted) > 5 else ''} with no teacher; "
+                             f"teachers: {sorted(self.params.teachers)}")
         return None
 
 
