@@ -125,3 +125,21 @@ def test_nothing_accepted_is_an_error(server, tmp_path):
     odd = prompts.filter(lambda r: int(r["prompt"].split("+")[0]) % 2 == 1)  # the fake teacher is wrong on all
     with pytest.raises(ValueError, match=f"accepted none of the {len(odd)} teacher responses"):
         traces(dict(teacher="m", endpoint=server["url"], cache_dir=str(tmp_path), reward="exact_match"), odd)
+
+
+def test_cached_traces_take_the_other_columns_from_the_current_dataset(server, tmp_path):
+    """The key holds the teacher, prompts and settings only: a corrected answer (or a new column) came back from the
+    cache as it was, and the reward filter scored the teacher against the old label."""
+    from datasets import Dataset
+
+    prompts = ["2+3=", "4+4="]  # the fake teacher answers 5 and 8
+    params = dict(teacher="fake-7b", endpoint=server["url"], cache_dir=str(tmp_path), reward="exact_match",
+                  num_samples=2)
+    first = traces(params, Dataset.from_dict({"prompt": prompts, "answer": ["5", "9"]}))
+    assert first["prompt"] == ["2+3="] * 2
+    corrected = Dataset.from_dict({"prompt": prompts, "answer": ["7", "8"], "level": [1, 2]})
+    again = traces(params, corrected)
+    assert len(server["requests"]) == 1  # the cache served the second run
+    assert again.to_list() == [{"prompt": "4+4=", "answer": "8", "level": 2, "completion": "8"}] * 2
+    with pytest.raises(ValueError, match="the train dataset has no rows"):
+        traces(params, corrected.select([]))

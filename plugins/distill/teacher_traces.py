@@ -62,7 +62,8 @@ class TeacherTraces(Plugin):
     completions end with the eos text (like the embedded SFT data); endpoint completions have none, and the SFT trainer
     appends eos. The raw generations are cached on disk as datasets, content-addressed by the teacher (folder file
     sizes and mtimes, or endpoint URL + model name), the prompts and the generation settings, in chunks of
-    ``chunk_size`` prompts: a rerun reuses them, an interrupted run resumes at the first missing chunk, and a changed
+    ``chunk_size`` prompts (only the completions are taken from the cache; the other columns come from the dataset as
+    it is now, so a corrected label is scored): a rerun reuses them, an interrupted run resumes at the first missing chunk, and a changed
     teacher, prompt set or setting regenerates. The reward filter runs after the cache (changing it regenerates
     nothing); the kept fraction is logged, and nothing kept is an error. The loss is the stage's SFT loss unchanged
     (item 3: identical numerics to SFT).
@@ -94,6 +95,8 @@ class TeacherTraces(Plugin):
         if "prompt" not in dataset.column_names:
             raise ValueError(f"teacher_traces: the {split} dataset has no 'prompt' column "
                              f"(has: {', '.join(dataset.column_names)})")
+        if len(dataset) == 0:
+            raise ValueError(f"teacher_traces: the {split} dataset has no rows (no prompt to ask the teacher)")
         source = self._source()
         settings = self.params.model_dump(exclude={"teacher", "endpoint", "api_key_env", "reward", "reward_params",
                                                    "min_reward", "cache_dir", "splits", "batch_size", "timeout_s"})
@@ -196,7 +199,27 @@ def generate_in_chunks(dataset, source, root: Path, chunk_size: int, num_samples
                 responses = source.generate(list(rows["prompt"]))
                 _save_atomic(traces_dataset(rows, responses, num_samples), target)
             parts.append(datasets.load_from_disk(str(target)))
-        return datasets.concatenate_datasets(parts)
+        cached = datasets.concatenate_datasets(parts)
+    return with_current_columns(dataset, cached["completion"], num_samples)
+
+
+def with_current_columns(dataset, completions: list, num_samples: int):
+    """The traces as rows of the *current* dataset: only the completions come from the cache.
+
+    The cache is keyed by the teacher, the prompts and the generation settings, not by the other columns, so a
+    corrected ``answer`` (or an added column) must come from the dataset as it is now, or the reward filter would
+    score against the label the cache was written with. Cached completions are in prompt order, ``num_samples`` per
+    prompt (the key holds the prompts in order)."""
+    from datasets import Dataset
+
+    if len(completions) != len(dataset) * num_samples:
+        raise RuntimeError(f"teacher_traces: the cache holds {len(completions)} responses for {len(dataset)} prompts "
+                           f"x {num_samples} samples; delete it to regenerate")
+    records = []
+    for index, row in enumerate(dataset):
+        base = {k: v for k, v in row.items() if k != "completion"}
+        records += [{**base, "completion": completions[index * num_samples + j]} for j in range(num_samples)]
+    return Dataset.from_list(records)
 
 
 def traces_dataset(rows, responses: list[list[str]], num_samples: int):
