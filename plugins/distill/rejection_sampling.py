@@ -60,7 +60,11 @@ class RejectionSampling(Plugin):
     reward plugin, deduplicated and capped per prompt. M-step: the stage's SFT loss on ``D_r`` (``max_steps`` steps
     with the stage's arguments). Round 1 runs as the stage itself (its dataset is built from the stage's model);
     rounds 2.. run after it, each sampling from the model the previous round produced and training from it, or from
-    the base model with ``restart_from_base`` (ReST-EM), and the final round's model is the stage's output. The
+    the base model with ``restart_from_base`` (ReST-EM), and the final round's model is the stage's output. Under
+    ``peft:`` every round trains what round 1 trains: the stage's PEFT method on a fresh adapter over the base model
+    (``restart_from_base``) or the same adapter further; every round's model is saved as the runner saves the stage
+    (``adapter/``, and the merged model at the top when the runner wrote one), so the stage folder ends as a one-round
+    stage's would. Round r's checkpoints go to ``<stage>/checkpoints/round-<r>``. The
     acceptance rate (accepted / (prompts x k), before cap and dedupe) and the kept count of every round go to the
     stage summary, ``<stage>/rejection_sampling.json`` and ``<stage>/rejection_sampling.png``. Defaults: 3 rounds,
     cap 10 (ReST-EM), dedupe on (RFT), ``k = 4`` (small for CPU; the paper used 32). A round with nothing accepted is
@@ -128,31 +132,51 @@ class RejectionSampling(Plugin):
     def trl_ext_after_stage(self, stage, output_dir, trainer):
         from accelerate import PartialState
 
+        from trl_ext.runner import save_stage_model
+        from trl_ext.stage import build_peft_config
+
+        stage_dir = Path(output_dir)
+        # Round 1's trainer writes to the stage's checkpoints folder; every later round's sits beside the others in it.
+        checkpoints = Path(trainer.args.output_dir)
+        # The runner has just saved round 1 with save_stage_model; later rounds save the same way. Whether it wrote a
+        # merged copy (runner.wants_merged_copy, which needs the whole recipe) shows in the folder: a merged or full
+        # model has its config.json at the top, an adapter-only save keeps everything under adapter/.
+        merged = (stage_dir / "config.json").is_file()
         for round_index in range(2, self.params.rounds + 1):
             model = trainer.accelerator.unwrap_model(trainer.model)
             data, figures = gen.on_main_process(lambda: self.e_step(model, trainer.processing_class, round_index),
                                                 self.name, every_rank_runs=True)
             self.history.append(figures)
-            start = self._base if self.params.restart_from_base else model
-            trainer = next_round_trainer(trainer, start, data, round_index)
+            if self.params.restart_from_base:
+                # A fresh start from the base weights: wrap them in the stage's PEFT method again, as the runner did
+                # for round 1 (without it the whole model would be fine-tuned).
+                start, peft_config = self._base, build_peft_config(stage.peft)
+            else:
+                # A PeftModel keeps training its adapter (TRL refuses a second peft_config on one).
+                start, peft_config = model, None
+            trainer = next_round_trainer(trainer, start, data, round_index, checkpoints, peft_config)
             trainer.train()
-            trainer.save_model(output_dir)
+            # Not trainer.save_model: under PEFT it would drop adapter files at the top, next to round 1's merged
+            # model and adapter/.
+            save_stage_model(trainer, trainer.processing_class, stage_dir, is_main=PartialState().is_main_process,
+                             merged=merged)
         if PartialState().is_main_process:
             write_history(Path(output_dir), self.history)
         return {"rejection_sampling": self.history}
 
 
-def next_round_trainer(previous, model, dataset, round_index: int):
+def next_round_trainer(previous, model, dataset, round_index: int, checkpoints, peft_config=None):
     """A fresh SFT trainer of the same kind and arguments on ``dataset``, starting from ``model`` (a path restarts
-    from those weights; a module continues from it). Its checkpoints go to ``<checkpoints>/round-<r>`` so the
-    runner's resume logic only ever sees round 1's; the stage's metrics file is left to round 1 (the rounds' figures
-    are in ``rejection_sampling.json``)."""
+    from those weights; a module continues from it), wrapped in ``peft_config`` when given. Its checkpoints go to
+    ``<checkpoints>/round-<r>`` (``checkpoints``: the stage's checkpoints folder, not the previous round's, which
+    would nest the rounds) so the runner's resume logic only ever sees round 1's; the stage's metrics file is left to
+    round 1 (the rounds' figures are in ``rejection_sampling.json``)."""
     import copy
 
     args = copy.deepcopy(previous.args)
-    args.output_dir = str(Path(previous.args.output_dir) / f"round-{round_index}")
+    args.output_dir = str(Path(checkpoints) / f"round-{round_index}")
     return type(previous)(model=model, args=args, train_dataset=dataset, processing_class=previous.processing_class,
-                          plugin_host=previous.plugin_host)
+                          peft_config=peft_config, plugin_host=previous.plugin_host)
 
 
 def write_history(directory: Path, history: list[dict[str, Any]]) -> None:
