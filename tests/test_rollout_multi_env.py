@@ -13,7 +13,7 @@ from trl_ext.recipe import StageSpec
 from trl_ext.rewards import RewardFunction
 from trl_ext.runner import RunContext, _CURRENT_RUN
 from trl_ext.stage import resolve_stage
-from trl_ext_plugins.rollout.control_math import interleave_environments, mixture_counts
+from trl_ext_plugins.rollout.control_math import batch_mixture_counts, interleave_environments, mixture_counts
 from trl_ext_plugins.rollout.multi_env import MultiEnv, generation_batch_prompts
 from trl_ext_plugins.rollout.pass_rate_filter import PassRateFilter
 from trl_ext_plugins.rewards.exact_match import ExactMatch
@@ -52,6 +52,26 @@ def test_every_batch_has_every_environment_in_proportion_and_all_rows_appear():
         assert envs == [0, 0, 1, 2]
     assert {r for e, r in order if e == 0} == set(range(30))  # 15 batches x 2 = 30 add rows: each exactly once
     assert {r for e, r in order if e == 2} == set(range(7))  # mul rows recycled after 7
+
+
+@pytest.mark.parametrize("weights, batch_prompts", [([0.7, 0.3], 2), ([1, 1, 1], 4), ([0.6, 0.25, 0.15], 8),
+                                                     ([0.95, 0.05], 4)])
+def test_the_runs_share_is_the_weights_share_when_a_batch_cannot_hold_it_exactly(weights, batch_prompts):
+    """Rounding every batch alike kept one bias for the whole run: [0.7, 0.3] in batches of 2 trained 50/50, [1, 1, 1]
+    in batches of 4 trained 50/25/25. Carried over, each environment's running count stays within one prompt of
+    sum_b w_e / sum w * batch_prompts, and each batch within one prompt of its share."""
+    batches = batch_mixture_counts(weights, batch_prompts, 200)
+    share = [w / sum(weights) * batch_prompts for w in weights]
+    assert batches[0] == mixture_counts(weights, batch_prompts)
+    running = [0] * len(weights)
+    for b, counts in enumerate(batches):
+        assert sum(counts) == batch_prompts and all(abs(c - s) < 1 for c, s in zip(counts, share))
+        running = [r + c for r, c in zip(running, counts)]
+        assert all(abs(r - (b + 1) * s) < 1 for r, s in zip(running, share)), (b, running)
+    assert [r / (200 * batch_prompts) for r in running] == pytest.approx([w / sum(weights) for w in weights],
+                                                                         abs=1 / 200)
+    order = interleave_environments([10] * len(weights), weights, batch_prompts, 200, seed=0)
+    assert [sum(e == i for e, _ in order) for i in range(len(weights))] == running
 
 
 class Flaky(Plugin):

@@ -72,7 +72,7 @@ def stale_token_mask(versions: Sequence[int], current: int) -> list[bool]:
 
 def mixture_counts(weights: Sequence[float], total: int) -> list[int]:
     """Integer counts proportional to ``weights`` summing to ``total`` (largest-remainder rounding, ties to the
-    earlier environment), so every batch holds each environment in its expected proportion."""
+    earlier environment): each within one of its exact share."""
     norm = sum(weights)
     exact = [w / norm * total for w in weights]
     counts = [math.floor(x) for x in exact]
@@ -82,17 +82,40 @@ def mixture_counts(weights: Sequence[float], total: int) -> list[int]:
     return counts
 
 
+def batch_mixture_counts(weights: Sequence[float], batch_prompts: int, num_batches: int) -> list[list[int]]:
+    """Per-batch environment counts whose running totals follow ``w_e / sum w`` exactly in the long run.
+
+    Each batch gives every environment the floor of its share ``s_e = w_e / sum w * batch_prompts`` and the prompts
+    left over to the environments furthest behind their running target ``(b + 1) s_e`` (ties to the earlier one).
+    Rounding every batch alike would keep one bias for the whole run (weights [0.7, 0.3] in batches of 2: 1 + 1 every
+    time, a 50/50 run); carried over, each batch is within one prompt of its share and each environment's running count
+    within one of its target. The first batch is ``mixture_counts(weights, batch_prompts)``.
+    """
+    norm = sum(weights)
+    share = [w / norm * batch_prompts for w in weights]
+    given = [0] * len(weights)
+    out = []
+    for b in range(num_batches):
+        counts = [math.floor(s + 1e-9) for s in share]
+        # rounded so that equal shortfalls compare equal (float error must not decide a tie)
+        behind = [round((b + 1) * s - g - c, 9) for s, g, c in zip(share, given, counts, strict=True)]
+        for env in sorted(range(len(share)), key=lambda e: (-behind[e], e))[: batch_prompts - sum(counts)]:
+            counts[env] += 1
+        given = [g + c for g, c in zip(given, counts, strict=True)]
+        out.append(counts)
+    return out
+
+
 def interleave_environments(sizes: Sequence[int], weights: Sequence[float], batch_prompts: int, num_batches: int,
                             seed: int) -> list[tuple[int, int]]:
-    """``(environment, row)`` pairs, ``batch_prompts`` per batch for ``num_batches`` batches: each batch holds
-    ``mixture_counts(weights, batch_prompts)`` prompts of each environment (shuffled within the batch); rows of an
-    environment are drawn by a seeded permutation, re-shuffled each time the environment is exhausted."""
+    """``(environment, row)`` pairs, ``batch_prompts`` per batch for ``num_batches`` batches: batch b holds
+    ``batch_mixture_counts(...)[b]`` prompts of each environment (shuffled within the batch); rows of an environment
+    are drawn by a seeded permutation, re-shuffled each time the environment is exhausted."""
     rng = np.random.default_rng(seed)
-    counts = mixture_counts(weights, batch_prompts)
     orders = [list(rng.permutation(n)) for n in sizes]
     cursors = [0] * len(sizes)
     out: list[tuple[int, int]] = []
-    for _ in range(num_batches):
+    for counts in batch_mixture_counts(weights, batch_prompts, num_batches):
         batch = []
         for env, count in enumerate(counts):
             for _ in range(count):

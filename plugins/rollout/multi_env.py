@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,10 @@ class MultiEnv(Plugin):
 
     Maximises ``J = sum_e w_e E_{x ~ D_e}[R_e(x, y)]`` in one run: each environment has its own prompts (``dataset``,
     default the stage's), its own verifier reward plugins and a mixing weight ``w_e``. The train split is rebuilt as a
-    mixture in which every TRL generation batch holds each environment's prompts in the proportion ``w_e / sum w``
-    (largest-remainder rounding, so exactly, not just in expectation), rows shuffled within the batch and drawn per
+    mixture in which the TRL generation batches hold each environment's prompts in the proportion ``w_e / sum w``:
+    each batch within one prompt of ``w_e / sum w`` of its size, the rounding carried from batch to batch so the
+    run's share is exact (an environment whose share is under one prompt per batch appears in that fraction of the
+    batches), rows shuffled within the batch and drawn per
     environment by a seeded permutation (re-shuffled when an environment is used up); one epoch is the smallest number
     of batches that shows every environment all its rows. The plugin sets ``args.shuffle_dataset: false`` so TRL's
     sampler keeps the batches as built; an ``env`` column names each row's environment.
@@ -297,13 +300,10 @@ class MultiEnv(Plugin):
                 raise ValueError(f"plugin {self.name!r}: environment {env.name!r} has no rows")
         weights = [env.weight for env in self.params.environments]
         batch_prompts = generation_batch_prompts(stage.args, PartialState().num_processes, stage.trainer)
-        counts = mixture_counts(weights, batch_prompts)
-        empty = [env.name for env, c in zip(self.params.environments, counts, strict=True) if c == 0]
-        if empty:
-            raise ValueError(f"plugin {self.name!r}: environment(s) {empty} get no prompt in a generation batch of "
-                             f"{batch_prompts} prompts; raise their weight or the batch size")
-        self.mixture_counts = counts
-        num_batches = max(-(-len(d) // c) for d, c in zip(sources, counts, strict=True))
+        self.mixture_counts = mixture_counts(weights, batch_prompts)  # the first batch's
+        # one epoch: enough batches that every environment, at its share, shows all its rows
+        share = [w / sum(weights) * batch_prompts for w in weights]
+        num_batches = max(math.ceil(len(d) / s - 1e-9) for d, s in zip(sources, share, strict=True))
         order = interleave_environments([len(d) for d in sources], weights, batch_prompts, num_batches,
                                         self.params.seed)
         columns = sorted({c for d in sources for c in d.column_names} - {ENV_COLUMN})
