@@ -77,6 +77,49 @@ def test_counted_positions_are_the_drafted_ones():
     assert mask.tolist() == [[False, False, True, True, False, False]]
 
 
+def test_acceptance_without_drafted_steps_is_undefined_not_zero():
+    """No step carried a draft (e.g. every decode ended after the prefill): the ratios are None, not 0.0 (which reads as
+    "every draft rejected"; tokens_per_step 0 is impossible), and they stay null in JSON."""
+    import json
+
+    figures = summarize([(0, 0), (0, 0)], prompts=2)
+    assert (figures.acceptance_length, figures.acceptance_rate, figures.tokens_per_step) == (None, None, None)
+    assert (figures.steps, figures.drafted, figures.accepted, figures.prompts) == (0, 0, 0, 2)
+    assert json.loads(json.dumps(figures.as_dict()))["acceptance_rate"] is None
+    rejected = summarize([(0, 0), (1, 0)], prompts=1)  # one drafted step, rejected: a real 0
+    assert (rejected.acceptance_length, rejected.acceptance_rate, rejected.tokens_per_step) == (0.0, 0.0, 1.0)
+
+
+def test_acceptance_plot_and_summary_take_undefined_figures(tmp_path):
+    from types import SimpleNamespace
+
+    from trl_ext_plugins.mtp.acceptance import plot_acceptance
+    from trl_ext_plugins.mtp.mtp_heads import MtpHeadsParams
+
+    figures = {"before": summarize([(0, 0)], 1), "after": summarize([(1, 1)], 1)}
+    assert plot_acceptance(figures, tmp_path / "a.png", "t").stat().st_size > 0
+    assert plot_acceptance({"only": figures["before"]}, tmp_path / "b.png", "t").stat().st_size > 0
+
+    # trl_ext_after_stage's summary for a stage whose "before" measurement drafted nothing
+    plugin = MtpHeads(MtpHeadsParams(held_out={"source": "embedded:arithmetic"}))
+    plugin._figures = {"before": figures["before"]}
+    plugin._held_out_prompts = lambda ctx: ["1+1="]
+    plugin._measure = lambda folder, prompts, seed: figures["after"]
+    summary = plugin.trl_ext_after_stage(_stage("embedded:tiny-glm4-moe-mtp"), str(tmp_path),
+                                         SimpleNamespace(args=SimpleNamespace(seed=0)))
+    assert summary["mtp_acceptance_before"] is None and summary["mtp_acceptance_rate_before"] is None
+    assert summary["mtp_acceptance_after"] == 1.0 and summary["mtp_acceptance_rate_after"] == 1.0
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_acceptance_budget_that_can_never_draft_is_refused(tokens):
+    from trl_ext_plugins.mtp.mtp_heads import MtpHeadsParams
+
+    with pytest.raises(Exception, match="acceptance_max_new_tokens"):
+        MtpHeadsParams(held_out={"source": "embedded:arithmetic"}, acceptance_max_new_tokens=tokens)
+    MtpHeadsParams(held_out={"source": "embedded:arithmetic"}, acceptance_max_new_tokens=3)
+
+
 def test_acceptance_summary_skips_prefill_steps():
     figures = summarize([(0, 0), (1, 1), (1, 0), (1, 1)], prompts=1)
     assert figures.acceptance_length == pytest.approx(2 / 3)
@@ -287,6 +330,140 @@ def test_two_depth_teacher_forcing_equals_transformers_mtp_forward():
     assert len(ours) == 2
     assert torch.allclose(ours[0].logits[0, width - 2], logits[0, 0], atol=1e-4)
     assert torch.allclose(ours[1].logits[0, width - 2], logits[0, 1], atol=1e-4)
+
+
+def test_the_smallest_accepted_budget_drafts(trained):
+    """max_new_tokens 3 (the least mtp_heads accepts) keeps one draft per prompt; 2 keeps none: undefined figures."""
+    assert measure_acceptance(trained[4], ["12+3=", "4+5="], max_new_tokens=3).drafted == 2
+    figures = measure_acceptance(trained[4], ["12+3=", "4+5="], max_new_tokens=2)
+    assert figures.drafted == 0 and figures.acceptance_length is None
+
+
+@pytest.mark.parametrize("bf16_from", ["model_init_kwargs", "checkpoint"])
+def test_fresh_heads_take_a_bf16_trunk_dtype_and_train(trained, model_dir, tmp_path, bf16_from):
+    """A bf16 trunk without MTP weights (bf16 asked for in model_init_kwargs, or a checkpoint saved in bf16 as released
+    GLM-4.5 / DeepSeek-V3 ones are) got float32 fresh heads and the first step failed with a dtype mismatch. Fresh
+    heads now have, tensor for tensor, the dtypes of heads loaded for the same trunk (bf16, with the family's float32
+    router kept), and the trunk's shared rotary buffers are not cast."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_ext.trainers.mtp import load_heads
+
+    source, init_kwargs = model_dir, {"dtype": torch.bfloat16}
+    if bf16_from == "checkpoint":
+        source, init_kwargs = str(tmp_path / "bf16"), None
+        AutoModelForCausalLM.from_pretrained(model_dir).to(torch.bfloat16).save_pretrained(source)
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(source)
+    rows = Dataset.from_dict({"prompt": ["12+3=", "4+5="] * 2, "completion": ["15<eos>", "9<eos>"] * 2})
+    args = MtpConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                     report_to="none", save_strategy="no", seed=0, model_init_kwargs=init_kwargs)
+    trainer = ExtMtpTrainer(source, args, rows, AutoTokenizer.from_pretrained(source), plugin_host=PluginHost())
+    assert trainer.policy.dtype == torch.bfloat16
+    fresh = {n: p.dtype for n, p in trainer.heads.named_parameters()}
+    loaded = {n: p.dtype for n, p in load_heads(trainer.policy, trained[4]).named_parameters()}
+    assert fresh == loaded
+    assert fresh["layers.0.eh_proj.weight"] == torch.bfloat16
+    assert fresh["layers.0.mtp_block.mlp.gate.weight"] == torch.float32  # Glm4Moe keeps its router in float32
+    assert trainer.policy.model.rotary_emb.inv_freq.dtype == torch.float32
+    before = {n: p.detach().clone() for n, p in trainer.head_parameters().items()}
+    trainer.train()
+    assert all(torch.isfinite(p).all() for p in trainer.head_parameters().values())
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.head_parameters().items())
+
+
+def _chat_folder(trained, tmp_path):
+    """The trained checkpoint with a chat template that adds a generation prompt."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "chat"
+    shutil.copytree(trained[4], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}=={% endif %}")
+    tokenizer.save_pretrained(folder)
+    return str(folder), AutoTokenizer.from_pretrained(folder)
+
+
+def test_conversational_prompt_ids_are_a_list_of_ids_with_the_generation_prompt(trained, tmp_path):
+    """transformers 5's apply_chat_template(tokenize=True) returns a BatchEncoding by default; prompt_ids returned it
+    as is, so conversational prompts crashed sampling and the acceptance measurement."""
+    from trl_ext_plugins.mtp.acceptance import prompt_ids
+
+    _, tokenizer = _chat_folder(trained, tmp_path)
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": "12+3"}])
+    assert type(ids) is list and all(type(i) is int for i in ids)
+    assert ids == tokenizer("12+3==", add_special_tokens=False)["input_ids"]  # content + generation prompt
+
+
+def test_conversational_prompts_sample_and_measure(trained, tmp_path):
+    from trl_ext_plugins.mtp.acceptance import prompt_ids
+    from trl_ext_plugins.mtp.mtp_heads import MtpHeadsParams, sample_completions
+
+    folder, tokenizer = _chat_folder(trained, tmp_path)
+    conversation = [{"role": "user", "content": "12+3"}]
+    params = MtpHeadsParams(held_out={"source": "embedded:arithmetic"}, samples_per_prompt=2, max_new_tokens=3,
+                            batch_size=4)
+    rows = sample_completions(folder, [conversation, "4+5="], params, seed=0)
+    assert len(rows) == 4
+    assert rows[0]["prompt_ids"] == prompt_ids(tokenizer, conversation) and rows[0]["completion_ids"]
+    figures = measure_acceptance(folder, [conversation], max_new_tokens=4)
+    assert figures.steps > 0 and figures.prompts == 1
+
+
+def _fake_hub_cache(monkeypatch, tmp_path, repo_id: str, folder) -> None:
+    """Serve ``folder`` as ``repo_id`` from a hub cache under tmp_path, offline: no download can happen."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_hub_id_checkpoint_starts_from_its_own_heads(trained, model_dir, tmp_path, monkeypatch, sharded):
+    """A model given by hub id never used its own MTP heads (the check globbed Path(<hub id>), which finds nothing) and
+    ``heads_from: <hub id>`` was refused; the checkpoint is now resolved through the hub cache as from_pretrained
+    resolves it (index only, for a sharded one)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_ext.trainers.mtp import checkpoint_has_heads, load_heads, write_heads
+
+    folder = trained[4]
+    if sharded:  # the trained checkpoint re-saved in shards, the heads in their own shard
+        folder = tmp_path / "sharded"
+        policy = AutoModelForCausalLM.from_pretrained(trained[4])
+        heads = load_heads(policy, trained[4])
+        policy.save_pretrained(folder, max_shard_size="100KB")
+        write_heads(policy, heads, folder)
+        AutoTokenizer.from_pretrained(trained[4]).save_pretrained(folder)
+        assert (folder / "model.safetensors.index.json").exists()
+    _fake_hub_cache(monkeypatch, tmp_path, "acme/tiny-mtp", folder)
+    expected = trained[0].head_parameters()
+
+    rows = Dataset.from_dict({"prompt": ["12+3="] * 4, "completion": ["15<eos>"] * 4})
+    args = MtpConfig(output_dir=str(tmp_path / "out"), max_steps=1, report_to="none", save_strategy="no", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    by_id = ExtMtpTrainer("acme/tiny-mtp", args, rows, tokenizer, plugin_host=PluginHost())
+    assert checkpoint_has_heads(by_id.policy, "acme/tiny-mtp")
+    for name, param in by_id.head_parameters().items():
+        assert torch.equal(param, expected[name]), name
+
+    fresh = ExtMtpTrainer(model_dir, args, rows, tokenizer, plugin_host=PluginHost())
+    assert not checkpoint_has_heads(fresh.policy, model_dir)
+    fresh.load_heads("acme/tiny-mtp")  # heads_from: <hub id>
+    for name, param in fresh.head_parameters().items():
+        assert torch.equal(param, expected[name]), name
+    assert not checkpoint_has_heads(fresh.policy, "acme/not-cached")  # offline, not in the cache: no heads, no error
+    with pytest.raises(MtpSupportError, match="acme/not-cached: holds no MTP weights"):
+        fresh.load_heads("acme/not-cached")
 
 
 def test_hard_loss_trains_too(model_dir, tmp_path):

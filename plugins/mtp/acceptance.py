@@ -15,6 +15,11 @@ Figures (over all verification steps that had drafts, all prompts pooled):
 * ``acceptance_length``: mean accepted draft tokens per step, in [0, num_mtp_layers] (the issue's definition);
 * ``acceptance_rate``: accepted / drafted tokens;
 * ``tokens_per_step``: ``acceptance_length + 1`` (each step also emits the trunk's own token).
+
+All three are ``None`` (null in JSON) when no step carried a draft (every decode ended before the first verification
+step could keep one, e.g. at an eos first token): undefined, not 0.0, which would read as "every draft rejected".
+``steps``, ``drafted`` and ``accepted`` are 0 then. With one new token from the prefill and one from each step's
+trunk, a draft can only count from ``max_new_tokens`` 3 on (``mtp_heads`` refuses less).
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ import torch
 
 @dataclass
 class Acceptance:
-    acceptance_length: float
-    acceptance_rate: float
-    tokens_per_step: float
+    acceptance_length: float | None  # None: no step had a draft (see module docstring)
+    acceptance_rate: float | None
+    tokens_per_step: float | None
     steps: int
     drafted: int
     accepted: int
@@ -41,14 +46,15 @@ class Acceptance:
 
 
 def summarize(records: list[tuple[int, int]], prompts: int) -> Acceptance:
-    """``records``: (drafted, accepted) per verification step; steps without drafts (the prefill) are skipped."""
+    """``records``: (drafted, accepted) per verification step; steps without drafts (the prefill) are skipped. The
+    ratios are ``None`` when no step is left (nothing was drafted, so nothing can be said about acceptance)."""
     steps = [(d, a) for d, a in records if d > 0]
     drafted = sum(d for d, _ in steps)
     accepted = sum(a for _, a in steps)
-    n = len(steps)
-    return Acceptance(acceptance_length=accepted / n if n else 0.0,
-                      acceptance_rate=accepted / drafted if drafted else 0.0,
-                      tokens_per_step=(accepted / n + 1.0) if n else 0.0, steps=n, drafted=drafted, accepted=accepted,
+    n = len(steps)  # every kept step has drafted >= 1, so drafted > 0 exactly when n > 0
+    return Acceptance(acceptance_length=accepted / n if n else None,
+                      acceptance_rate=accepted / drafted if n else None,
+                      tokens_per_step=(accepted / n + 1.0) if n else None, steps=n, drafted=drafted, accepted=accepted,
                       prompts=prompts)
 
 
@@ -108,10 +114,14 @@ def cut_at_accepted_draft(candidates: torch.Tensor | None, input_ids: torch.Tens
 
 
 def prompt_ids(tokenizer, prompt) -> list[int]:
-    """Token ids of a plain-text prompt (no special tokens, as the trainers tokenize it) or of a conversation."""
+    """Token ids (a list of ints) of a plain-text prompt (no special tokens, as the trainers tokenize it) or of a
+    conversation (chat template with the generation prompt)."""
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding from tokenize=True by default (4.x a list): ask for the dict explicitly
+    # and take its ids, which works on both.
+    encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(encoded["input_ids"])
 
 
 @torch.no_grad()
@@ -139,7 +149,8 @@ def measure_acceptance(model_dir: str | Path, prompts: list, max_new_tokens: int
 
 
 def plot_acceptance(figures: dict[str, Acceptance], out_png: str | Path, title: str) -> Path:
-    """Bar chart of acceptance length per measured checkpoint (in the given order)."""
+    """Bar chart of acceptance length per measured checkpoint (in the given order); a checkpoint without drafted
+    steps (length ``None``) gets an empty bar labelled "no drafts", not a 0 that would read as all rejected."""
     from matplotlib.figure import Figure
 
     out_png = Path(out_png)
@@ -147,11 +158,12 @@ def plot_acceptance(figures: dict[str, Acceptance], out_png: str | Path, title: 
     axes = figure.subplots()
     names = list(figures)
     values = [figures[n].acceptance_length for n in names]
-    bars = axes.bar(names, values, color=[f"C{i}" for i in range(len(names))])
+    bars = axes.bar(names, [v or 0.0 for v in values], color=[f"C{i}" for i in range(len(names))])
     for bar, value in zip(bars, values):
-        axes.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+        label = "no drafts" if value is None else f"{value:.3f}"
+        axes.annotate(label, (bar.get_x() + bar.get_width() / 2, value or 0.0), ha="center", va="bottom")
     axes.set_ylabel("mean accepted draft tokens / step")
     axes.set_title(title)
-    axes.set_ylim(0, max(values + [1e-3]) * 1.2)
+    axes.set_ylim(0, max([v for v in values if v is not None] + [1e-3]) * 1.2)
     figure.savefig(out_png, dpi=100)
     return out_png

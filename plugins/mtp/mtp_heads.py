@@ -31,11 +31,15 @@ class MtpHeadsParams(PluginParams):
                                "the one the heads should match)")
     batch_size: int = Field(64, gt=0, description="prompts per sampling batch")
     heads_from: str | None = Field(None, description="start from the MTP heads of this checkpoint (`stage:<name>`, "
-                                   "`embedded:<name>` or a folder; same architecture), e.g. the pre-RL stage whose "
-                                   "heads went stale; None: the stage model's own heads, or fresh ones")
+                                   "`embedded:<name>`, a folder or a hub id; same architecture), e.g. the pre-RL "
+                                   "stage whose heads went stale; None: the stage model's own heads, or fresh ones")
     held_out: DatasetSpec = Field(description="held-out prompts (a `prompt` column) for the acceptance measurement")
     acceptance_prompts: int = Field(64, gt=0, description="held-out prompts decoded per acceptance measurement")
-    acceptance_max_new_tokens: int = Field(16, gt=0, description="max new tokens per held-out decode")
+    # The first new token comes from the prefill and each verification step keeps the trunk's own token after its
+    # accepted drafts, so below 3 no draft can ever be kept and every acceptance figure would be undefined.
+    acceptance_max_new_tokens: int = Field(16, ge=3, description="max new tokens per held-out decode (at least 3: "
+                                           "the first comes from the prefill, and a step's draft counts only when "
+                                           "the trunk's token after it also fits)")
     acceptance_sampling: bool = Field(False, description="False: greedy decoding, a draft is accepted when it equals "
                                       "the trunk's argmax; True: speculative sampling at `temperature`")
 
@@ -70,7 +74,8 @@ class MtpHeads(Plugin):
       drafting on ``acceptance_prompts`` held-out prompts, greedy by default (deterministic): for the ``heads_from``
       checkpoint as saved (its own trunk: e.g. before RL), for the stage's starting point (this trunk with the starting
       heads: after RL, before healing) and for the saved result (after healing). Written to the stage summary
-      (``mtp_acceptance_*``), ``mtp_acceptance.json`` and the bar chart ``mtp_acceptance.png``.
+      (``mtp_acceptance_*``), ``mtp_acceptance.json`` and the bar chart ``mtp_acceptance.png``; a measurement in which
+      no step carried a draft (e.g. every held-out decode ended at once) reports ``None`` / null, not 0.
 
     A model class without MTP support (no ``num_mtp_layers`` in its config, or MTP weights transformers would not
     find at the layers after ``num_hidden_layers``) is refused naming the class: at validation when the model is
@@ -164,8 +169,9 @@ class MtpHeads(Plugin):
         plot = plot_acceptance({labels[k]: v for k, v in figures.items()}, Path(output_dir) / PLOT_FILE,
                                title=f"MTP acceptance, stage {stage.name!r}")
         write_json_atomic(Path(output_dir) / FIGURES_FILE, {k: v.as_dict() for k, v in figures.items()})
-        summary: dict[str, Any] = {f"mtp_acceptance_{k}": round(v.acceptance_length, 4) for k, v in figures.items()}
-        summary.update({f"mtp_acceptance_rate_{k}": round(v.acceptance_rate, 4) for k, v in figures.items()})
+        # None (no drafted step, see acceptance.summarize) stays None: the summary is JSON, null says "undefined".
+        summary: dict[str, Any] = {f"mtp_acceptance_{k}": _rounded(v.acceptance_length) for k, v in figures.items()}
+        summary.update({f"mtp_acceptance_rate_{k}": _rounded(v.acceptance_rate) for k, v in figures.items()})
         summary["mtp_acceptance_plot"] = str(plot)
         return summary
 
@@ -218,6 +224,10 @@ def sample_completions(model_dir: str, prompts: list, params: MtpHeadsParams, se
                              "prompt_ids": encoded[i // params.samples_per_prompt], "completion_ids": completion,
                              "completion": tokenizer.decode(completion)})
     return rows
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _sampling_key(model: str, prompts: list, params: MtpHeadsParams, seed: int) -> str:

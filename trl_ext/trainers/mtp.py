@@ -29,10 +29,12 @@ lambda only rescales the loss here, since nothing else trains). Counted position
 which ``generate(use_mtp=True)`` drafts. Rows are ``prompt`` + ``completion`` strings, or ``prompt_ids`` +
 ``completion_ids`` token lists (what the ``mtp_heads`` plugin samples from the policy).
 
-Heads at the start: the checkpoint's own MTP weights when it has them (``MtpModel.from_pretrained``), otherwise fresh
-ones initialised by the model family's ``_init_weights`` (``MtpModel``'s generic init leaves e.g. GLM-4-MoE's expert
-tensors uninitialised), seeded by ``args.seed``; a plugin may replace them with ``load_heads`` (another checkpoint's).
-``num_mtp_layers`` sets the depth when the checkpoint's config has none (0).
+Heads at the start: the checkpoint's own MTP weights when it has them (``MtpModel.from_pretrained``; the checkpoint is
+a folder or a hub id, resolved as ``from_pretrained`` resolves it), otherwise fresh ones initialised by the model
+family's ``_init_weights`` (``MtpModel``'s generic init leaves e.g. GLM-4-MoE's expert tensors uninitialised), seeded
+by ``args.seed``; a plugin may replace them with ``load_heads`` (another checkpoint's). Either way they are built in the
+trunk's dtype (a bf16 model trains bf16 heads, as ``Trainer`` trains a model in its own dtype), except tensors the
+family keeps in float32. ``num_mtp_layers`` sets the depth when the checkpoint's config has none (0).
 
 Saving (``save_model`` and every checkpoint): the trunk as ``save_pretrained`` writes it plus the heads as the
 decoder layers after ``num_hidden_layers`` (``model.layers.{N+k}.{enorm,hnorm,eh_proj,shared_head.norm,...}``, the
@@ -42,8 +44,8 @@ from the newest checkpoint folder.
 
 Depends on no TRL internals. transformers internals used: ``MtpModel.{from_pretrained, forward_layer,
 _project_to_logits, get_mtp_weights_regex}``, ``PreTrainedModel._init_weights``,
-``core_model_loading.revert_weight_conversion`` (the conversion ``save_pretrained`` applies), ``Trainer._save`` /
-``_load_from_checkpoint``.
+``core_model_loading.revert_weight_conversion`` (the conversion ``save_pretrained`` applies), ``utils.cached_file``
+(private ``_raise_exceptions_for_*`` flags), ``Trainer._save`` / ``_load_from_checkpoint``.
 """
 
 from __future__ import annotations
@@ -234,17 +236,39 @@ def set_depth(config, depth: int) -> None:
     text.num_mtp_layers = depth
 
 
-def checkpoint_has_heads(model: PreTrainedModel, directory: str | os.PathLike) -> bool:
-    """Whether the safetensors files in ``directory`` hold keys of ``model``'s MTP weight pattern."""
+def checkpoint_weight_names(ref: str | os.PathLike) -> list[str]:
+    """Tensor names of the safetensors checkpoint ``ref`` (a folder or a hub id), from the files
+    ``MtpModel.from_pretrained`` reads: the index's weight map when sharded, else ``model.safetensors``. A hub id is
+    resolved by transformers' ``cached_file`` like ``from_pretrained`` resolves it (the local cache only when
+    ``HF_HUB_OFFLINE`` is set); a sharded hub checkpoint needs only its index. ``[]`` when neither file resolves."""
     from safetensors import safe_open
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+
+    def resolve(filename: str) -> str | None:
+        try:
+            return cached_file(str(ref), filename, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+        except OSError:  # neither a folder nor a repo id the hub (or its cache) knows
+            return None
+
+    index = resolve(SAFE_WEIGHTS_INDEX_NAME)
+    if index is not None:
+        return list(json.loads(Path(index).read_text())["weight_map"])
+    single = resolve(SAFE_WEIGHTS_NAME)
+    if single is None:
+        return []
+    with safe_open(single, framework="pt") as handle:
+        return list(handle.keys())
+
+
+def checkpoint_has_heads(model: PreTrainedModel, ref: str | os.PathLike) -> bool:
+    """Whether the checkpoint ``ref`` (a folder or a hub id, see :func:`checkpoint_weight_names`) holds keys of
+    ``model``'s MTP weight pattern. Looking only in a local folder made a hub-id model start from fresh heads
+    although it had its own, and refused ``heads_from: <hub id>``."""
     from transformers.modeling_layers import MtpModel
 
     regex = MtpModel.get_mtp_weights_regex(model)
-    for path in Path(directory).glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            if any(regex.search(key) for key in handle.keys()):
-                return True
-    return False
+    return any(regex.search(key) for key in checkpoint_weight_names(ref))
 
 
 @contextlib.contextmanager
@@ -263,25 +287,38 @@ def _reading_from(model: PreTrainedModel, directory: str):
 
 
 def load_heads(model: PreTrainedModel, directory: str | os.PathLike):
-    """transformers' ``MtpModel.from_pretrained`` on the MTP weights stored in ``directory`` (same architecture)."""
+    """transformers' ``MtpModel.from_pretrained`` on the MTP weights stored in ``directory`` (a folder or a hub id;
+    same architecture). The heads take the model's dtype (``_reading_from``) and device."""
     from transformers.modeling_layers import MtpModel
 
     if not checkpoint_has_heads(model, directory):
         raise MtpSupportError(f"{directory}: holds no MTP weights matching "
-                              f"{MtpModel.get_mtp_weights_regex(model).pattern!r}")
+                              f"{MtpModel.get_mtp_weights_regex(model).pattern!r} (looked for "
+                              f"model.safetensors[.index.json] in the folder, or in the hub repo or its cache)")
     with _reading_from(model, str(directory)):
         return MtpModel.from_pretrained(model, device_map={"": model.device})
 
 
 def fresh_heads(model: PreTrainedModel, depth: int, seed: int):
-    """New ``MtpModel`` layers initialised by the model family's own ``_init_weights`` (seeded, RNG forked)."""
+    """New ``MtpModel`` layers initialised by the model family's own ``_init_weights`` (seeded, RNG forked), in the
+    model's dtype and on its device, as :func:`load_heads` builds them: a bf16 trunk's hidden states fed float32
+    heads and training failed at the first step.
+
+    Built under the model's dtype as torch's default (what ``MtpModel.from_pretrained`` does) rather than cast
+    afterwards: tensors a family keeps in float32 on purpose (e.g. GLM-4-MoE's router weight and score bias) stay
+    float32 as in the trunk, and ``.to(dtype)`` would also cast the trunk's rotary buffers the heads share."""
     from transformers.modeling_layers import MtpModel
 
+    default_dtype = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        heads = MtpModel(model, depth)
-        for module in heads.layers.modules():
-            model._init_weights(module)
+        torch.set_default_dtype(model.dtype)
+        try:
+            heads = MtpModel(model, depth)
+            for module in heads.layers.modules():
+                model._init_weights(module)
+        finally:
+            torch.set_default_dtype(default_dtype)
     return heads.to(model.device)
 
 
