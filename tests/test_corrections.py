@@ -220,3 +220,40 @@ def test_inverted_band_is_refused(plugin, params):
         plugin.Params(**params)
     equal = {**params, "lower": 2.0}  # a one-point band is legal
     assert weights_of(plugin(plugin.Params(**equal)), [2.0, 1.0]).tolist()[0][0] == pytest.approx(2.0)
+
+
+def test_mis_lower_bound_follows_the_upper_one_when_only_c_is_given():
+    """Band [1/C, C]: with only C = 4 set, the lower bound stayed at 0.5, so rho = 0.3 was masked although it lies in
+    [0.25, 4] (verl's rollout_rs lower bound defaults to 1/upper)."""
+    from trl_ext_plugins.corrections.mis import MISParams
+    from trl_ext_plugins.corrections.rollout_correction import RolloutCorrectionParams
+
+    assert MISParams(upper=4.0).band() == (0.25, 4.0)
+    assert MISParams().band() == (0.5, 2.0) and MISParams(upper=4.0, lower=None).band() == (None, 4.0)
+    assert MISParams(upper=4.0, lower=0.1).band() == (0.1, 4.0)
+    rho = torch.tensor([[0.3, 3.0, 5.0]])
+    weight, _ = MIS(MISParams(upper=4.0)).weights(rho.log(), torch.ones_like(rho))
+    assert weight[0].tolist() == pytest.approx([0.3, 3.0, 0.0])
+    assert RolloutCorrectionParams(preset="mis", upper=4.0).lower == 0.25
+    assert RolloutCorrectionParams(preset="mis").lower == 0.5
+    with pytest.raises(ValueError, match=r"upper 0.5 < 1 leaves no band \[1/upper, upper\]; give lower"):
+        MISParams(upper=0.5)
+
+
+def test_a_sequence_with_opposite_infinite_log_ratios_gets_weight_zero_not_nan():
+    """+inf (the engine gave its sampled token probability 0) and -inf (the trainer gives another token 0) in one
+    sequence summed to NaN: every sequence and geometric weight was NaN and the 'sum' statistic rejected nothing."""
+    from trl_ext_plugins.corrections.mis import MISParams
+    from trl_ext_plugins.corrections.rollout_correction import correction_weights
+    from trl_ext_plugins.corrections.tis import TISParams
+
+    inf = math.inf
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    log_rho = cm.rollout_log_rho(torch.tensor([[-1.0, -inf, -2.0, -inf]]), torch.tensor([[-inf, -1.0, -2.0, -inf]]),
+                                 mask)
+    assert cm.sequence_log_rho(log_rho, mask).item() == -inf
+    assert TIS(TISParams(level="sequence")).weights(log_rho, mask)[0].item() == pytest.approx(math.exp(-20))  # +-20 clamp
+    for level in ("sequence", "geometric"):
+        assert MIS(MISParams(level=level)).weights(log_rho, mask)[0].tolist() == [[0.0]]
+    weight, rejected = correction_weights(log_rho, mask, "token", "mask", "sum", 0.5, 2.0)
+    assert bool(torch.isfinite(weight).all()) and bool(rejected.all()) and weight.abs().sum() == 0

@@ -442,7 +442,7 @@ def test_presets_fill_and_explicit_fields_override():
         "level": "token", "mode": "truncate", "statistic": "ratio", "lower": None, "upper": 2.0,
         "drop_from_denominator": False}
     assert RolloutCorrectionParams(preset="icepop", upper=4.0).lower == 0.25  # IcePop's [1/beta, beta]
-    assert RolloutCorrectionParams(preset="mis", upper=4.0).lower == 0.5  # mis keeps its own lower
+    assert RolloutCorrectionParams(preset="mis", upper=4.0).lower == 0.25  # mis: [1/C, C] too, as the mis plugin
     k2 = RolloutCorrectionParams(preset="mis", statistic="k2", upper=0.02)  # ratio bounds do not carry to k2
     assert (k2.lower, k2.upper, k2.mode) == (None, 0.02, "mask")
     resolved = resolve_stage(stage({"preset": "icepop", "level": "sequence"}), 0, Catalog.discover())

@@ -13,6 +13,16 @@ from trl_ext_plugins.corrections import math
 from trl_ext_plugins.losses.base import recipe_off_policy_reason, trainer_off_policy_reason
 
 
+def reciprocal_lower(upper, who: str) -> float:
+    """The lower bound ``1/C`` of the band ``[1/C, C]`` when only ``C`` is given (MIS, verl's rollout_rs lower
+    default); a C below 1 leaves no such band, so the lower bound must then be given."""
+    if not isinstance(upper, (int, float)) or isinstance(upper, bool) or upper <= 0:
+        return upper  # the field's own validation refuses it with its message
+    if upper < 1:
+        raise ValueError(f"{who}: upper {upper} < 1 leaves no band [1/upper, upper]; give lower explicitly")
+    return 1.0 / upper
+
+
 class CorrectionParams(PluginParams):
     support: Literal["full", "sampled"] = Field(
         "full", description="Support of the trainer-side log pi_old in rho. full: the trainer's full-vocabulary "

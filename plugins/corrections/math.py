@@ -37,8 +37,14 @@ def rollout_log_rho(old_per_token_logps: torch.Tensor, sampling_per_token_logps:
 
 def sequence_log_rho(log_rho: torch.Tensor, mask: torch.Tensor, geometric: bool = False) -> torch.Tensor:
     """Sequence-level log rho, ``(B, 1)``: the sum over tokens (log of prod_t rho_t, TRL ``sequence_*`` modes), or the
-    mean (geometric-mean ratio, "Geo-RS")."""
+    mean (geometric-mean ratio, "Geo-RS").
+
+    A sequence holding both a +inf (the rollout engine gave its sampled token probability 0) and a -inf log rho (the
+    trainer gives it 0) has no ratio: inf - inf is NaN, which every band test lets through (comparisons with NaN are
+    False) and every weight carries. It counts as ratio 0 (log rho -inf): weight 0 under every mode, rejected by
+    every statistic."""
     total = log_rho.sum(-1, keepdim=True)
+    total = torch.where(torch.isnan(total), torch.full_like(total, -torch.inf), total)
     return total / mask.sum(-1, keepdim=True).clamp(min=1.0) if geometric else total
 
 

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trl_ext import ops
 from trl_ext_plugins.corrections import math
-from trl_ext_plugins.corrections.base import CorrectionParams, RolloutCorrection
+from trl_ext_plugins.corrections.base import CorrectionParams, RolloutCorrection, reciprocal_lower
 
 # The grid each existing plugin is (its defaults). icepop's lower is 1/upper unless given (IcePop's [1/beta, beta]).
 PRESETS: dict[str, dict] = {
@@ -104,8 +104,8 @@ class RolloutCorrectionParams(CorrectionParams):
     preset: Literal["none", "tis", "mis", "icepop"] = Field(
         "none", description="none: the grid fields as given (defaults = mis's). tis / mis / icepop: the grid of that "
         "plugin's defaults (tis: token, truncate, ratio, upper 2; mis: token, mask, ratio, [0.5, 2]; icepop: token, "
-        "mask, ratio, [1/upper, upper] with upper 2); fields given next to a preset override its values (icepop: "
-        "lower stays 1/upper unless given).")
+        "mask, ratio, [1/upper, upper] with upper 2); fields given next to a preset override its values (icepop, and "
+        "mis when upper is given: lower stays 1/upper unless given).")
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="The ratio the weight is: token rho_t = pi_old/pi_rollout; sequence prod_t rho_t (TRL "
         "sequence_* modes); geometric exp(mean_t log rho_t) per sequence (Geo-RS).")
@@ -143,6 +143,8 @@ class RolloutCorrectionParams(CorrectionParams):
         if preset == "icepop" and "lower" not in given:
             upper = filled["upper"]
             filled["lower"] = 1 / upper if isinstance(upper, (int, float)) and upper > 0 else None
+        elif preset == "mis" and "upper" in given and "lower" not in given:
+            filled["lower"] = reciprocal_lower(given["upper"], "rollout_correction (preset mis)")
         return filled
 
     @field_validator("statistic")

@@ -28,7 +28,9 @@ class TIS(RolloutCorrection):
     the weight uses pi_old, not pi_theta, as the blog and TRL). Default C = 2 (verl, slime); TRL's field default is 3.
     ``level: sequence`` uses the product of the token ratios. Truncated tokens keep their place in the aggregation
     denominator. Equal to TRL's ``vllm_importance_sampling_mode=token_truncate / sequence_truncate`` given the same
-    sampling log-probs (parity tested), but also without vLLM.
+    sampling log-probs (parity tested), but also without vLLM. Ratios are exp of log rho clamped to +-20 (TRL does not
+    clamp), so parity holds while |log rho| <= 20 (a sequence's sum, at level sequence); beyond, the weight is
+    e^-20 where TRL's is smaller.
     """
 
     name = "tis"
