@@ -55,6 +55,38 @@ def test_bad_bounds_are_refused_at_validation(trl_ext_catalog, register_plugin, 
     assert "stages[0].plugins[0].params" in text and "pass_rate_filter" in text and message in text
 
 
+@pytest.mark.parametrize("params, message", [
+    ({"reward": "exact_matchh"}, "params.reward: unknown plugin 'exact_matchh'. Did you mean: exact_match?"),
+    ({"reward": "pass_rate_filter"}, "params.reward: plugin 'pass_rate_filter' is not a reward plugin"),
+    ({"reward": "multi_env"}, "params.reward: plugin 'multi_env' is not a reward plugin"),
+    ({"reward": "exact_match", "reward_params": {"nope": 1}},
+     "params.reward_params.nope: Extra inputs are not permitted (plugin 'exact_match')"),
+    ({"reward_params": {"weight": "x"}}, "params.reward_params.weight: "),
+])
+def test_bad_reward_selection_is_refused_at_validation(trl_ext_catalog, register_plugin, params, message):
+    """A bad ``reward``/``reward_params`` passed validation and failed only after the profiling model had loaded."""
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    register_plugin(PassRateFilter)
+    register_plugin(ExactMatch)
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"name": "pass_rate_filter", "params": params}, "exact_match"])
+    with pytest.raises(RecipeError) as err:
+        resolve_stage(stage, 0, trl_ext_catalog)
+    lines = [m for m in err.value.messages if "pass_rate_filter" in m]
+    assert len(lines) == 1 and lines[0].startswith("stages[0]: plugin 'pass_rate_filter': ") and message in lines[0]
+
+
+def test_the_reward_is_built_before_the_model_loads(monkeypatch, tmp_path):
+    import trl_ext_plugins.preference.generation as gen
+    from trl_ext.errors import UnknownPluginError
+
+    monkeypatch.setattr(gen, "load_policy", lambda path: pytest.fail("the model loaded before the reward was built"))
+    plugin = PassRateFilter(PassRateFilter.Params(reward="exact_matchh", cache_dir=str(tmp_path)))
+    with pytest.raises(UnknownPluginError, match="exact_matchh"):
+        plugin.estimate(arithmetic_dataset("train", format="prompt", size=2), "no-such-model")
+
+
 def test_curriculum_keeps_the_dataset_order(trl_ext_catalog, register_plugin):
     register_plugin(PassRateFilter)
     from trl_ext_plugins.rewards.exact_match import ExactMatch
@@ -165,6 +197,43 @@ def test_zero_variance_groups_fall_after_filtering(tiny_model_dir, run_with_digi
     before, after = zero_variance_fraction(groups(data)), zero_variance_fraction(groups(kept))
     print(f"zero-variance group fraction: unfiltered {before:.3f}, filtered {after:.3f}")
     assert after < before
+
+
+class EqualsAnswer(Plugin):
+    """Test reward: 1 when the completion is exactly the ``answer`` column (no stripping of any kind)."""
+
+    name = "equals_answer"
+    family = "reward"
+
+    @hookimpl
+    def trl_ext_reward_functions(self, stage):
+        def equals_answer(completions, answer, **kwargs):
+            return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+        return [RewardFunction(self.name, equals_answer)]
+
+
+def test_samples_are_scored_on_the_text_training_rewards(monkeypatch, trl_ext_catalog, register_plugin, tmp_path):
+    """The estimate decoded samples with special tokens kept (``12<|im_end|>`` with the tool tokenizer), so a reward
+    that reads the text exactly saw another completion than GRPO hands it (``12``, TRL's skip_special_tokens decode):
+    a prompt always solved in training was estimated never solved."""
+    import trl_ext_plugins.preference.generation as gen
+    from datasets import Dataset
+
+    from tests.test_preference_generation import ScriptedModel, action_ids, tool_tokenizer
+
+    register_plugin(EqualsAnswer)
+    tokenizer = tool_tokenizer()
+    ids = action_ids(tokenizer, "12")
+    assert tokenizer.batch_decode([ids], skip_special_tokens=True) == ["12"]  # what GRPO's reward would see
+    monkeypatch.setattr(gen, "load_policy", lambda path: (ScriptedModel(ids, tokenizer.pad_token_id), tokenizer))
+    data = Dataset.from_dict({"prompt": ["9+3=", "9+4="], "answer": ["12", "13"]})
+    token = _CURRENT_RUN.set(RunContext(recipe=None, output_dir=tmp_path / "run", catalog=trl_ext_catalog))
+    try:
+        plugin = PassRateFilter(PassRateFilter.Params(reward="equals_answer", k=3))
+        assert plugin.estimate(data, "scripted-model") == [1.0, 0.0]
+    finally:
+        _CURRENT_RUN.reset(token)
 
 
 def test_fewer_kept_prompts_than_one_generation_batch_is_an_error(monkeypatch):

@@ -136,6 +136,25 @@ def test_pivot_split_from_hand_built_and_sampled_profiles(tiny_model_dir, trl_ex
         _CURRENT_RUN.reset(token)
 
 
+def test_profile_scores_a_sample_as_training_rewards_it(monkeypatch, tmp_path):
+    """The profile decoded samples with special tokens kept, so with a tokenizer whose eos is not the plain embedded
+    one's (here the tool tokenizer's <|im_end|>) a correct action read ``add(12,3)<|im_end|>``, did not parse and scored
+    0, while TRL decodes the same tokens to ``add(12,3)`` for the reward (1): pivot means were biased to 0."""
+    import trl_ext_plugins.preference.generation as gen
+    from tests.test_preference_generation import ScriptedModel, action_ids, tool_tokenizer
+
+    tokenizer = tool_tokenizer()
+    ids = action_ids(tokenizer, "add(12,3)")
+    monkeypatch.setattr(gen, "load_policy", lambda path: (ScriptedModel(ids, tokenizer.pad_token_id), tokenizer))
+    turns = [{"prompt": "U:(12+3)?\nA:", "expert_action": "add(12,3)"},
+             {"prompt": "U:(12+3)?\nA:", "expert_action": "add(12,4)"}]
+    profiles = PivotRL(PivotRL.Params(k=3, cache_dir=str(tmp_path))).profile(turns, "scripted-model")
+    (reward,) = PivotRL().trl_ext_reward_functions(stage=None)
+    trl_text = tokenizer.batch_decode([ids], skip_special_tokens=True)[0]  # what GRPO hands the reward
+    assert reward.fn(completions=[trl_text] * 2, expert_action=["add(12,3)", "add(12,4)"]) == [1.0, 0.0]
+    assert profiles == [[1.0] * 3, [0.0] * 3]
+
+
 def test_reward_is_the_functional_match_with_the_expert_action():
     (reward,) = PivotRL().trl_ext_reward_functions(stage=None)
     assert reward.name == "pivot_rl"

@@ -7,7 +7,8 @@ current policy, best vs worst) and ``qrpo`` (n reference completions and their r
   id) through :func:`trl_ext.runner.current_run`; outside a recipe run only plain paths are accepted.
 * Completions are decoded up to and including the first eos token (pad tokens dropped), so a finished completion ends
   with the eos text exactly as the embedded preference data does; a completion cut by ``max_new_tokens`` has no eos
-  (TRL's DPO trainer appends one).
+  (TRL's DPO trainer appends one). Callers that only *score* the samples (``pass_rate_filter``, ``pivot_rl``) pass
+  ``skip_special_tokens=True`` to get the text TRL's GRPO/RLOO trainers hand reward functions instead.
 * Caches are datasets saved under ``<cache root>/<key>`` where the key hashes everything the rows depend on; the main
   process builds and saves (atomically: temp folder + rename), the other processes wait and load
   (``PartialState().main_process_first()``).
@@ -163,11 +164,17 @@ def completion_text(completion) -> str:
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompts: list, *, num_samples: int = 1, max_new_tokens: int = 8,
                        do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 64,
-                       seed: int = 0) -> list[list[str]]:
+                       seed: int = 0, skip_special_tokens: bool = False) -> list[list[str]]:
     """``num_samples`` completions (text) per prompt. Greedy when ``do_sample`` is false (then one distinct answer).
 
     Sampling draws from the full distribution except for ``top_p`` (``top_k=0``, as TRL's samplers do), seeded with
     ``seed`` in a forked RNG so the caller's random state is untouched.
+
+    Each completion is cut after its first eos. By default special tokens stay in the text (a finished completion
+    ends with the eos text, as training data for SFT/DPO needs). ``skip_special_tokens=True`` decodes as TRL's
+    GRPO/RLOO trainers decode completions for their reward functions (``batch_decode(..., skip_special_tokens=True)``
+    of the ids up to the eos): use it when the text is only scored, so a sample earns the reward it would earn in
+    training (with the eos text kept, e.g. ``add(12,3)<|im_end|>``, a reward that parses the text can score it 0).
     """
     texts = [prompt_text(tokenizer, p) for p in prompts]
     sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample
@@ -186,7 +193,8 @@ def sample_completions(model, tokenizer, prompts: list, *, num_samples: int = 1,
                 generated = model.generate(**batch, max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
                                            pad_token_id=pad, eos_token_id=eos, **sampling)
                 new = generated[:, batch["input_ids"].shape[1]:].tolist()
-                decoded = [tokenizer.decode(_until_eos(ids, eos, pad)) for ids in new]
+                decoded = [tokenizer.decode(_until_eos(ids, eos, pad), skip_special_tokens=skip_special_tokens)
+                           for ids in new]
                 out += [decoded[i:i + num_samples] for i in range(0, len(decoded), num_samples)]
     finally:
         model.train(was_training)

@@ -62,7 +62,9 @@ class PassRateFilter(Plugin):
 
     Conventions chosen: only the ``train`` split is filtered; the held-out splits are untouched. Sampling draws from
     the full distribution at ``temperature`` (default 1.0, ``top_k`` 0 as TRL samples), seeded with ``seed`` in a
-    forked RNG, so the same model, prompts and settings give the same keep-set. The rates are cached as JSON under
+    forked RNG, so the same model, prompts and settings give the same keep-set. The samples are decoded as TRL decodes
+    completions for rewards (up to the eos, special tokens skipped). A ``reward`` that is not a reward plugin, or bad
+    ``reward_params``, is refused at validation, before any model loads. The rates are cached as JSON under
     ``cache_dir`` (default ``<run output_dir>/_cache/pass_rate_filter``), keyed by the model (file names, sizes and
     modification times of a local folder, or the hub id), the prompts and every setting that changes the estimate;
     the main process computes and writes atomically (temp file + rename), the others wait and read. With an ordered
@@ -113,6 +115,28 @@ class PassRateFilter(Plugin):
         self.train_rows = None  # the train dataset the sampler indexes (reestimate_every)
         self.sampler = None
         self.reestimations: list[dict[str, Any]] = []  # step, rows, rates and figures of each re-estimation
+
+    @hookimpl
+    def trl_ext_validate_stage(self, stage, plugins):
+        error = self._reward_error()
+        return [error] if error else None
+
+    def _reward_error(self) -> str | None:
+        """``reward``/``reward_params`` checked with the helper multi_env checks its environments' rewards with (a
+        known plugin, a reward plugin, valid params): a bad selection otherwise failed only once the model had
+        loaded."""
+        from trl_ext.recipe import PluginSelection
+        from trl_ext_plugins.rollout.multi_env import MultiEnv, _catalog
+
+        try:
+            MultiEnv._reward_plugin(_catalog(), PluginSelection(name=self.params.reward,
+                                                                 params=self.params.reward_params))
+        except Exception as exc:  # unknown plugin, not a reward plugin, bad params
+            message = str(exc).removeprefix("plugins: ")  # the catalog's own field name, not this plugin's
+            if message.startswith("params."):  # a bad parameter, named relative to the reward plugin
+                return f"plugin {self.name!r}: params.reward_{message}"
+            return f"plugin {self.name!r}: params.reward: {message}"
+        return None
 
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
@@ -218,8 +242,10 @@ class PassRateFilter(Plugin):
         settings = self.params.model_dump(exclude={"lower", "upper", "inclusive", "order", "cache_dir",
                                                 "reestimate_every"})
         columns = {c: dataset[c] for c in dataset.column_names if c != "prompt"}
+        # "decode" in the key: rates cached before samples were decoded as TRL decodes them (special tokens kept) are
+        # not reused.
         key = cache_key({"model": model_fingerprint(path), "prompts": dataset["prompt"], "columns": columns,
-                         "settings": settings})
+                         "settings": settings, "decode": "skip_special_tokens"})
         target = Path(cache_root(self.params.cache_dir, self.name)) / f"{key}.json"
         with PartialState().main_process_first():
             if target.exists():
@@ -233,22 +259,29 @@ class PassRateFilter(Plugin):
         return rates
 
     def _sample_rates(self, dataset, path: str) -> list[float]:
-        from trl_ext_plugins.preference.generation import load_policy
+        from trl_ext_plugins.preference.generation import load_policy, reward_function_from_plugin
 
+        # The reward before the model: a bad reward selection fails without paying for the load.
+        score = reward_function_from_plugin(self.params.reward, self.params.reward_params)
         model, tokenizer = load_policy(path)
-        return self._rates_of(model, tokenizer, dataset, seed=self.params.seed)
+        return self._rates_of(model, tokenizer, dataset, seed=self.params.seed, score=score)
 
-    def _rates_of(self, model, tokenizer, dataset, seed: int) -> list[float]:
-        """``p_hat`` of each row of ``dataset``: ``k`` seeded samples from ``model``, scored by the reward plugin."""
+    def _rates_of(self, model, tokenizer, dataset, seed: int, score=None) -> list[float]:
+        """``p_hat`` of each row of ``dataset``: ``k`` seeded samples from ``model``, scored by the reward plugin
+        (``score``, built from ``reward``/``reward_params`` when not given)."""
         from trl_ext_plugins.preference.generation import reward_function_from_plugin, sample_completions
 
         if len(dataset) == 0:
             return []
-        score = reward_function_from_plugin(self.params.reward, self.params.reward_params)
+        if score is None:
+            score = reward_function_from_plugin(self.params.reward, self.params.reward_params)
         p = self.params
         prompts = dataset["prompt"]
+        # Decoded as TRL decodes completions for rewards (special tokens skipped), so a sample is solved here exactly
+        # when the same tokens would earn the reward in training.
         samples = sample_completions(model, tokenizer, prompts, num_samples=p.k, max_new_tokens=p.max_new_tokens,
-                                     do_sample=True, temperature=p.temperature, batch_size=p.batch_size, seed=seed)
+                                     do_sample=True, temperature=p.temperature, batch_size=p.batch_size, seed=seed,
+                                     skip_special_tokens=True)
         columns = {c: dataset[c] for c in dataset.column_names if c != "prompt"}
         flat = [c for row in samples for c in row]
         repeated = {c: [v for v in values for _ in range(p.k)] for c, values in columns.items()}

@@ -74,9 +74,11 @@ class PivotRL(Plugin):
     Conventions chosen: functional match = same function name and equivalent arguments (numbers by value, whitespace
     ignored, argument order free for commutative calls such as ``add``/``mul``; the NeMo-RL SWE1 stage compares
     arguments against the reference action); an action is the first line of the completion; non-call text matches by
-    normalised equality. Profiles are cached as JSON (atomic writes) keyed by the model, the trajectories and the
-    profile settings, and are reproducible with ``seed``. Bad input (a trajectory without an assistant turn) is refused
-    at validation for embedded and local datasets, before any model loads.
+    normalised equality. The profile's samples are decoded as TRL decodes GRPO completions for rewards (special tokens
+    skipped), so an action scores in the profile what it scores in training. Profiles are cached as JSON (atomic
+    writes) keyed by the model, the trajectories and the profile settings, and are reproducible with ``seed``. Bad
+    input (a trajectory without an assistant turn) is refused at validation for embedded and local datasets, before
+    any model loads.
     """
 
     name = "pivot_rl"
@@ -152,16 +154,21 @@ class PivotRL(Plugin):
         path = resolve_model(model_ref, self.name)
         p = self.params
         settings = p.model_dump(include={"k", "temperature", "max_new_tokens", "seed", "batch_size"})
+        # "decode" in the key: profiles cached before samples were decoded as TRL decodes them (special tokens kept,
+        # so tokenizers whose eos is not the embedded one scored correct actions 0) are not reused.
         key = cache_key({"model": model_fingerprint(path), "turns": [(t["prompt"], t["expert_action"]) for t in turns],
-                         "settings": settings})
+                         "settings": settings, "decode": "skip_special_tokens"})
         target = Path(cache_root(p.cache_dir, self.name)) / f"{key}.json"
         with PartialState().main_process_first():
             if target.exists():
                 return json.loads(target.read_text())["profiles"]
             model, tokenizer = load_policy(path)
+            # Decoded as TRL decodes completions for rewards (special tokens skipped), so a sampled action earns the
+            # reward it would earn in training: kept, an eos such as <|im_end|> made `add(12,3)<|im_end|>` unparsable.
             samples = sample_completions(model, tokenizer, [t["prompt"] for t in turns], num_samples=p.k,
                                          max_new_tokens=p.max_new_tokens, do_sample=True,
-                                         temperature=p.temperature, batch_size=p.batch_size, seed=p.seed)
+                                         temperature=p.temperature, batch_size=p.batch_size, seed=p.seed,
+                                         skip_special_tokens=True)
             profiles = [[float(functional_match(a, t["expert_action"])) for a in actions]
                         for t, actions in zip(turns, samples, strict=True)]
             write_json_atomic(target, {"profiles": profiles, "settings": settings, "model": path})
