@@ -142,6 +142,20 @@ def test_remax_greedy_reward_counts_only_the_kept_groups(monkeypatch):
     assert out[KEPT].tolist() == pytest.approx([0.5, -0.5, 1.0, -1.0])  # R - b within each kept group
 
 
+@pytest.mark.parametrize("keep", [None, KEEP])
+def test_remax_on_the_second_of_two_ranks(monkeypatch, keep):
+    """greedy_rewards returns every rank's baselines (TRL's scoring gathers), and the kept groups were taken from
+    this rank's keep mask alone: a shape error on every multi-process run. Rank 1 of 2 holds the last group here
+    (rows 4-5) and the middle group straddles nothing: each rank holds whole groups of the gathered 6 rows."""
+    monkeypatch.setattr(remax_module, "greedy_rewards", lambda trainer, prompts, inputs: torch.tensor([0.5, 9.0, 1.0]))
+    b = batch(REWARDS, keep)
+    b.process_slice = slice(4, 6)
+    b.prompts, b.inputs, b.completion_mask = [""] * 2, [{}] * 2, b.completion_mask[4:]
+    out = ReMax().trl_ext_compute_advantages(rewards=torch.tensor(REWARDS), batch=b)
+    assert out.tolist() == pytest.approx([1.0, -1.0])  # this rank's rows, R - b of the third group
+    assert b.metrics["remax/greedy_reward_mean"] == pytest.approx(0.75 if keep else 3.5)
+
+
 def test_host_hands_the_keep_mask_to_the_advantage_hook(tiny_trainer):
     """dynamic_sampling drops the zero-variance group 1; reinforce_pp_baseline whitens over group 0's tokens only."""
     from trl_ext_plugins.rollout.dynamic_sampling import DynamicSampling

@@ -222,6 +222,20 @@ def test_rloo_kl_parity_with_trl_rloo_trainer(tiny_trainer):
     assert not torch.allclose(without_kl, out["advantages"].float(), atol=1e-5)  # the KL term is what matches
 
 
+@pytest.mark.parametrize("objective_first", [False, True])
+def test_a_reward_kl_plugin_keeps_the_loss_kl_off_in_either_plugin_order(tiny_trainer, objective_first):
+    """reinforce_pp sets args.beta = 1.0 only to get reference log-probs and drops the loss term; grpo rebuilt the KL
+    term after it without that coefficient, so [reinforce_pp, grpo] trained a k3 loss KL at weight 1.0."""
+    from trl_ext_plugins.advantages.reinforce_pp import ReinforcePP
+    from trl_ext_plugins.losses.grpo import GRPO, GRPOParams
+
+    objective = GRPO(GRPOParams(kl_estimator="k2"))
+    plugins = [objective, ReinforcePP()] if objective_first else [ReinforcePP(), objective]
+    trainer = tiny_trainer("grpo", plugins=plugins, args={"max_steps": 1})
+    assert trainer.args.beta == 1.0 and trainer.kl_term.weight(trainer.args.beta) == 0.0
+    assert trainer.kl_term.estimator == "k2"  # the objective's own estimator still applies (to the logged KL)
+
+
 def test_rloo_with_kl_only_in_reward_trains(tiny_trainer):
     plugin = RLOO(RLOOParams(kl_coef=0.05))
     trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1})

@@ -268,3 +268,18 @@ def test_length_shaping_formulas_are_finite(lengths, cap, beyond, data):
                 formulas.cosine_length_reward(x, flags, 100, beyond=beyond),
                 formulas.stop_penalties(x, flags, 100, -1.0, -0.5)):
         assert torch.isfinite(out).all(), (lengths, out)
+
+
+def test_leave_one_out_baseline_without_another_scorable_row_is_zero():
+    """With one scorable row in a group the others' mean was 0 / 1 = 0 and the std 0: [1, NaN, NaN, NaN] gave
+    A = 1 / eps = 10000 (1.0 with scale none), and G = 1 with single_sample zero gave R / eps. RLOO (and TRL's
+    RLOOTrainer) gives a row without siblings 0."""
+    nan = float("nan")
+    for scale in ("group", "none"):
+        out = adv.group_advantages(torch.tensor([1.0, nan, nan, nan, 1.0, 0.0, nan, nan]), 4, scale=scale,
+                                   baseline="leave_one_out")
+        # second group: [1, 0] leave-one-out centres 0 and 1 -> +1, -1 (scaled by each row's others' std 0 + eps
+        # under scale group, so only the signs and zeros are checked there)
+        assert out[:4].tolist() == [0.0] * 4 and out[6:].tolist() == [0.0, 0.0]
+        assert out[4].item() > 0 > out[5].item()
+    assert adv.group_advantages(torch.tensor([0.7, 0.2]), 1, baseline="leave_one_out").tolist() == [0.0, 0.0]

@@ -122,6 +122,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     else:
         raise ValueError(f"unknown baseline {baseline!r}; choose mean or leave_one_out")
     out = grouped - centre
+    if baseline == "leave_one_out":
+        # a row with no other scorable row in its group has no baseline: 0 (RLOO, TRL's RLOOTrainer), not R / eps
+        out = torch.where(count > 1, out, zero)
     if scale == "group":
         out = out / (_group_std(grouped, valid, std) + eps)
     elif scale == "batch":

@@ -115,8 +115,10 @@ class ReMax(RewardKLHooks, Plugin):
         rows = range(0, stop - start, group)
         baseline = greedy_rewards(batch.trainer, [batch.prompts[i] for i in rows], [batch.inputs[i] for i in rows])
         baseline = baseline.to(rewards.device)
-        kept_groups = torch.ones(len(rows), dtype=torch.bool) if batch.keep is None else \
-            batch.keep[batch.process_slice].cpu().view(-1, group).any(dim=1)
+        # baseline is every rank's (greedy_rewards gathers), so the kept groups are the gathered batch's too: this
+        # rank's keep mask alone raised a shape error on every multi-process run
+        kept_groups = torch.ones(baseline.numel(), dtype=torch.bool) if batch.keep is None else \
+            batch.keep.cpu().view(-1, group).any(dim=1)
         # over the groups that train: a group a filter dropped (e.g. deferred by partial_rollout) leaves the figure
         batch.metrics["remax/greedy_reward_mean"] = torch.nanmean(baseline[kept_groups.to(baseline.device)]).item()
         p = self.params

@@ -66,7 +66,14 @@ class GRPO(ObjectivePlugin):
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
-        trainer.kl_term = self.kl_term(bool(trainer.args.use_bias_correction_kl))
+        term = self.kl_term(bool(trainer.args.use_bias_correction_kl))
+        # A coefficient set by an earlier hook stays: a plugin that folds the KL into the reward (reinforce_pp, ppo,
+        # rloo, remax, vapo) sets args.beta = 1.0 only to get reference log-probs and drops the loss term with
+        # coef 0; rebuilt without it, [reinforce_pp, grpo] trained a loss KL at weight 1.0 ([grpo, reinforce_pp] 0).
+        previous = getattr(trainer, "kl_term", None)
+        if previous is not None and previous.coef is not None:
+            term.coef = previous.coef
+        trainer.kl_term = term
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
