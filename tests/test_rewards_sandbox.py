@@ -360,7 +360,7 @@ def test_output_flood_is_cut_at_the_cap():
 
 
 SPIN = "def f(x):\n    while True:\n        pass\n"
-# Ignoring SIGXCPU leaves only the hard CPU limit (soft + 1 s), which the kernel enforces with SIGKILL.
+# Ignoring SIGXCPU changes nothing: the kernel's CPU backstop is SIGKILL, and the harness's measure decides.
 SPIN_IGNORING_SIGXCPU = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" + SPIN
 
 
@@ -373,8 +373,43 @@ def test_infinite_loop_times_out_whichever_limit_ends_it(limits):
     assert reward(SPIN, ONE_TEST, **limits) == (0.0, ["timeout"])
 
 
-def test_loop_that_ignores_sigxcpu_times_out_at_the_hard_cpu_limit():
+def test_loop_that_ignores_sigxcpu_times_out():
     assert reward(SPIN_IGNORING_SIGXCPU, ONE_TEST, test_wall_seconds=30, test_cpu_seconds=1) == (0.0, ["timeout"])
+
+
+# A correct answer computed with more CPU time than allowed (1.4 CPU-s against 1) is a timeout, however the CPU limit
+# is dodged: SIGXCPU ignored, or the work handed to processes the test never waits for (each under the limit).
+SLOW_CORRECT = ("import time\ndef burn(seconds):\n    start = time.process_time()\n"
+                "    while time.process_time() - start < seconds:\n        pass\n")
+SLOW_BUT_IGNORES_SIGXCPU = ("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" + SLOW_CORRECT
+                            + "def f(x):\n    burn(1.4)\n    return x * x + 1\n")
+SLOW_IN_UNREAPED_HELPERS = SLOW_CORRECT + r'''
+import os
+def f(x):
+    done = []
+    for _ in range(2):
+        r, w = os.pipe()
+        if os.fork() == 0:
+            burn(0.7)
+            os.write(w, b"1")
+            os._exit(0)
+        done.append(r)
+    for r in done:
+        os.read(r, 1)  # never waits for the helpers: their CPU time is not in this process's own usage
+    return x * x + 1
+'''
+WITHIN_THE_LIMIT_IN_A_HELPER = SLOW_CORRECT + ("import os\ndef f(x):\n    pid = os.fork()\n    if pid == 0:\n"
+                                               "        burn(0.3)\n        os._exit(0)\n    os.waitpid(pid, 0)\n"
+                                               "    return x * x + 1\n")
+
+
+@pytest.mark.parametrize("code", [SLOW_BUT_IGNORES_SIGXCPU, SLOW_IN_UNREAPED_HELPERS], ids=["sigxcpu", "helpers"])
+def test_correct_answer_over_the_cpu_limit_is_a_timeout(code):
+    assert reward(code, ONE_TEST, test_wall_seconds=8, test_cpu_seconds=1) == (0.0, ["timeout"])
+
+
+def test_helper_processes_within_the_cpu_limit_pass():
+    assert reward(WITHIN_THE_LIMIT_IN_A_HELPER, ONE_TEST, test_wall_seconds=8, test_cpu_seconds=1) == (1.0, ["pass"])
 
 
 def test_crash_by_signal_is_an_error_not_a_timeout():
@@ -406,6 +441,25 @@ def f(x):
     seen += [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid()) and p != "1"]
     return seen
 '''
+
+
+CARRY_OVER = r'''
+import os
+def f(x):
+    seen = [p for p in ("/tmp/pwn-a", "/dev/shm/pwn-b", "/tmp/pwn-locked") if os.path.lexists(p)]
+    open("/tmp/pwn-a", "w").write("left")
+    open("/dev/shm/pwn-b", "w").write("left")
+    os.makedirs("/tmp/pwn-locked/deep", exist_ok=True)
+    open("/tmp/pwn-locked/deep/file", "w").close()
+    os.chmod("/tmp/pwn-locked/deep", 0)
+    os.chmod("/tmp/pwn-locked", 0)
+    return seen
+'''
+
+
+def test_files_do_not_persist_to_the_next_test():
+    said, _ = outputs(CARRY_OVER)
+    assert said == ["[]"] * 3  # the harness emptied /tmp and /dev/shm after each test, unreadable directories too
 
 
 def test_nothing_persists_to_the_next_sample():
@@ -528,6 +582,83 @@ def test_signalling_the_trainer_or_harness_changes_nothing():
     assert reward(_signal_everyone(me, "x * x + 1")) == (1.0, ["pass"] * 3)  # the harness survived: full credit
     assert reward(_signal_everyone(me, "0")) == (0.0, ["wrong"] * 3)
     assert os.getpid() == me
+
+
+TAMPER_WITH_THE_HARNESS = r'''
+import os, resource
+def f(x):
+    if x == 2:
+        soft, hard = resource.prlimit(1, resource.RLIMIT_NOFILE)
+        resource.prlimit(1, resource.RLIMIT_NOFILE, (soft - 1, hard))  # allowed: same uid, lowering only
+    return x * x + 1
+'''
+
+
+def test_lowering_the_harness_limits_ends_the_sample():
+    # Only the tampering sample can suffer from it, but it earns nothing from that test on: no silent degradation.
+    assert reward(TAMPER_WITH_THE_HARNESS) == (0.0, ["error"] * 3)
+    assert reward("def f(x):\n    return x * x + 1\n") == (1.0, ["pass"] * 3)  # the next sample is unaffected
+
+
+# ---- 15. writable places and nested namespaces ----------------------------------------------------------------------
+
+WRITE_EVERYWHERE = r'''
+import os
+def f(x):
+    wrote = []
+    for directory in ("/", "/dev", "/usr", "/proc", "/fresh"):
+        try:
+            with open(os.path.join(directory, "pwn-fill"), "wb") as handle:
+                handle.write(b"x" * (8 << 20))  # twice the tmp cap: uncapped if it lands
+            wrote.append(directory)
+        except OSError:
+            pass
+    try:
+        os.mkdir("/pwn-dir")
+        wrote.append("mkdir /")
+    except OSError:
+        pass
+    return wrote
+'''
+
+
+def _fallback(monkeypatch):
+    # As root, the fallback's bubblewrap runs as root (no uid to drop to): --cap-drop ALL keeps it as weak as a user's.
+    monkeypatch.setattr(sandbox, "confinement", lambda: sandbox.Confinement(root=False, cgroup_bases={}))
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["this-machine", "fallback"])
+def test_only_the_capped_tmpfs_is_writable(monkeypatch, fallback):
+    if fallback:
+        _fallback(monkeypatch)
+    said, _ = outputs(WRITE_EVERYWHERE, ONE_TEST)
+    assert said == ["[]"]  # / and /dev (bwrap's uncapped tmpfs) are read-only; /tmp is tested by test_disk_fill...
+    assert sandbox.isolation_report()["root_fs"].startswith("read-only")
+
+
+NESTED_NAMESPACES = r'''
+import ctypes
+def f(x):
+    libc = ctypes.CDLL(None, use_errno=True)
+    made = []
+    for name, flags in (("user", 0x10000000), ("user+mount", 0x10000000 | 0x00020000), ("mount", 0x00020000)):
+        if libc.unshare(flags) == 0:
+            made.append(name)
+    if libc.mount(b"none", b"/tmp", b"tmpfs", 0, None) == 0:
+        made.append("tmpfs")
+    return made
+'''
+
+
+@pytest.mark.skipif(not sandbox.bwrap_blocks_userns(), reason="bubblewrap < 0.8 cannot block nested user namespaces "
+                                                               "(no --disable-userns); isolation_report says so")
+@pytest.mark.parametrize("fallback", [False, True], ids=["this-machine", "fallback"])
+def test_nested_user_namespaces_and_mounts_fail(monkeypatch, fallback):
+    if fallback:
+        _fallback(monkeypatch)
+    said, _ = outputs(NESTED_NAMESPACES, ONE_TEST)
+    assert said == ["[]"]
+    assert sandbox.isolation_report()["user_namespaces"].startswith("nested ones blocked")
 
 
 # ---- backends -------------------------------------------------------------------------------------------------------

@@ -21,6 +21,10 @@ Why the candidate cannot reach the harness's channel or state:
   descriptors in the harness only;
 * the harness makes itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``), so the candidate, though the same uid,
   cannot open ``/proc/1/fd/*`` or ``/proc/1/mem`` or ptrace it (it holds no capability in the sandbox's namespace);
+* being the same uid, the candidate *can* lower the harness's own rlimits (``prlimit``) or priority (``setpriority``);
+  no hard limit can be raised again without a capability, so this only slows or breaks the harness for the rest of
+  this sample. The harness compares its limits and priority after every test with those it started with, and
+  answers ``error`` for that test and every later one once they changed (a sample that tampers earns nothing more);
 * under bubblewrap the harness is the PID namespace's init (``--as-pid-1``): the kernel delivers to it no signal
   from inside the namespace that it has no handler for, and it keeps none (Python's SIGINT handler is reset), so
   ``os.kill(1, 9)``, ``os.kill(os.getppid(), signal.SIGINT)`` or ``os.kill(-1, 9)`` cannot end it; the trainer is
@@ -28,7 +32,21 @@ Why the candidate cannot reach the harness's channel or state:
 * tests arrive one at a time: when test *i* runs, the harness has seen only requests ``0..i`` (inputs, never
   expected values), so a child cannot read future tests from memory inherited through ``fork``;
 * after each test, the harness kills every other process in the namespace (``kill(-1, SIGKILL)`` from init), including
-  ones that called ``setsid`` or double-forked, and reaps them, so nothing the candidate started outlives its test.
+  ones that called ``setsid`` or double-forked, and reaps them, so nothing the candidate started outlives its test;
+  it then empties the sandbox's scratch directories (``/tmp``, ``/dev/shm``), so no file carries over to the next
+  test (best effort: what it cannot remove, such as a tree nested deeper than ``PATH_MAX``, stays; it is only ever
+  the candidate's own files, which never hold expected values).
+
+CPU time. A test's CPU time is measured by the harness, not reported by the candidate: the ``wait4`` usage of the
+test's process (which includes every descendant it reaped) plus that of every other process of the namespace that
+the harness reaps after the test (orphans and processes still running, which it kills first). A test that used more
+than ``cpu_seconds`` in total is a ``timeout`` whatever its exit status or output; one within it is judged on its
+output. The kernel's ``RLIMIT_CPU`` only stops a runaway process: soft = hard = ``cpu_seconds + 1`` (``SIGKILL``, so
+no ``SIGXCPU`` to ignore or handle; the candidate cannot raise a hard limit). It is set a second past the limit
+because the kernel counts CPU time in scheduler ticks, which on a busy or virtual machine run a few percent ahead
+of the exact time ``wait4`` reports: at exactly ``cpu_seconds`` the kernel would end some tests that are within
+the limit by the harness's measure. Outside a PID namespace only the test's process and the descendants it reaped
+are counted.
 
 Outside a PID namespace (the explicitly unsafe backend) the harness is not init: it puts each child in its own
 session and kills that process group, which a candidate can leave with ``setsid``; that backend says so when chosen.
@@ -76,9 +94,9 @@ def child_main(code, request, setup, stdin_fd, out_fd):
         if request["kind"] == "call":
             os.dup2(out_fd, 3)
         os.closerange(4 if request["kind"] == "call" else 3, setup["max_fd"])
-        if resource is not None:
-            cpu = int(setup["cpu_seconds"])
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        if resource is not None:  # a backstop only (module docstring): ran_out_of_cpu decides, by measurement
+            backstop = int(setup["cpu_seconds"]) + 1
+            resource.setrlimit(resource.RLIMIT_CPU, (backstop, backstop))
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if not setup.get("pid_namespace"):
             os.setsid()  # the unsafe backend kills this process group after the test
@@ -202,10 +220,13 @@ def run_test(code, request, setup):
     os.close(out_r)
     if pidfd is not None:
         os.close(pidfd)
-    kill_everything_else(pid, setup)
+    reaped, reaped_cpu = kill_everything_else(pid, setup)
     if exit_status is None:
-        exit_status, cpu_used = wait_child(pid)
-    if status == "exited" and ran_out_of_cpu(exit_status, cpu_used, setup):
+        exit_status, child_cpu = (reaped[pid], 0.0) if pid in reaped else wait_child(pid)  # reaped_cpu has its part
+        cpu_used += child_cpu
+    cpu_used += reaped_cpu
+    empty_scratch_dirs(setup)
+    if status == "exited" and ran_out_of_cpu(cpu_used, setup):
         status = "timeout"
     output = b"".join(chunks)[:cap].decode("utf-8", errors="replace")
     code_, sig = (os.WEXITSTATUS(exit_status), None) if os.WIFEXITED(exit_status) else (None, os.WTERMSIG(exit_status))
@@ -239,17 +260,18 @@ def wait_child(pid):
     return status, usage.ru_utime + usage.ru_stime
 
 
-def ran_out_of_cpu(exit_status, cpu_used, setup):
-    """A test the CPU-time limit ended is a timeout, like one the wall clock ended (which comes first depends only on
-    how loaded the machine is): killed by SIGXCPU at the soft limit, or by SIGKILL at the hard one."""
-    if not os.WIFSIGNALED(exit_status):
-        return False
-    sig = os.WTERMSIG(exit_status)
-    return sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used >= float(setup["cpu_seconds"]))
+def ran_out_of_cpu(cpu_used, setup):
+    """A test that used more CPU time than allowed, by the harness's measure, is a timeout like one the wall clock
+    ended (which comes first depends only on how loaded the machine is), whatever its exit status or output: a
+    correct answer computed too slowly is too slow, and so is a process the kernel's backstop killed."""
+    return cpu_used > float(setup["cpu_seconds"])
 
 
 def kill_everything_else(pid, setup):
-    """After a test: no process the candidate started survives (init kills the whole namespace but itself)."""
+    """After a test: no process the candidate started survives (init kills the whole namespace but itself). Returns
+    the wait statuses of the processes reaped here ({pid: status}) and the CPU seconds they used (with what each of
+    them reaped): work handed to a process the test did not wait for still counts against the test."""
+    statuses, cpu = {}, 0.0
     if setup.get("pid_namespace") and os.getpid() == 1:
         try:
             os.kill(-1, signal.SIGKILL)  # every process of the namespace except init, atomically w.r.t. fork
@@ -257,14 +279,56 @@ def kill_everything_else(pid, setup):
             pass
         while True:  # reap everything, the test's child and orphans re-parented to init
             try:
-                os.waitpid(-1, 0)
+                done, status, usage = os.wait4(-1, 0)
             except ChildProcessError:
                 break
+            statuses[done] = status
+            cpu += usage.ru_utime + usage.ru_stime
     else:
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    return statuses, cpu
+
+
+def empty_scratch_dirs(setup):
+    """Remove the files the test left in the sandbox's scratch directories, so the next test starts clean. Every
+    file there is the candidate's, owned by this uid, so changing modes suffices; whatever still fails stays."""
+    for top in setup.get("scratch_dirs", ()):
+        try:
+            empty_directory(top)
+        except BaseException:  # e.g. RecursionError on absurd nesting: leftovers only ever hurt this sample
+            pass
+
+
+def empty_directory(top):
+    try:  # its owner may always list and empty it, whatever mode the candidate gave it
+        os.chmod(top, os.lstat(top).st_mode & 0o7777 | 0o700)
+    except OSError:
+        pass
+    try:
+        with os.scandir(top) as found:
+            entries = list(found)
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                empty_directory(entry.path)
+                os.rmdir(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def own_limits():
+    """The harness's own rlimits and priority, which the candidate (same uid) can lower but never raise back."""
+    if resource is None:  # pragma: no cover
+        return None
+    names = sorted(n for n in dir(resource) if n.startswith("RLIMIT_"))
+    return [resource.getrlimit(getattr(resource, n)) for n in names], os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def main():
@@ -286,9 +350,13 @@ def main():
     except BaseException:
         code = None
     write_all(replies, (json.dumps({"ready": True, "compiled": code is not None}) + "\n").encode())
+    limits = own_limits()
     for line in requests:
         request = json.loads(line)
         reply = run_test(code, request, setup)
+        if own_limits() != limits:  # a test lowered them (prlimit/setpriority on pid 1): this sample is over
+            reply = {"status": "error", "exit": None, "signal": None, "output": "",
+                     "detail": "a test changed the harness's own limits or priority"}
         write_all(replies, (json.dumps(reply) + "\n").encode())
 
 

@@ -9,15 +9,20 @@ Backends
 --------
 ``bwrap`` (default and required; Debian/Ubuntu package ``bubblewrap``):
 
-* namespaces: new user, PID, network, IPC, UTS, cgroup and mount namespaces (``--unshare-all``); the harness is the
-  PID namespace's init (``--as-pid-1``), so when it ends, or when the trainer kills the sandbox (``--die-with-parent``),
-  the kernel kills every process in the namespace, including ones that called ``setsid`` or daemonized;
+* namespaces: new user, PID, network, IPC, UTS, cgroup and mount namespaces (``--unshare-all --unshare-user``); the
+  harness is the PID namespace's init (``--as-pid-1``), so when it ends, or when the trainer kills the sandbox
+  (``--die-with-parent``), the kernel kills every process in the namespace, including ones that called ``setsid`` or
+  daemonized; no nested user namespace can be created (``--disable-userns``, bubblewrap >= 0.8), so the candidate
+  never gains the capabilities to mount a file system of its own (an uncapped tmpfs, say);
 * file system: only the interpreter, its standard library (``site-packages``/``dist-packages`` hidden) and the shared
   libraries they load (found with ``ldd``), read-only; a fresh ``/proc`` and minimal ``/dev``; a private size-capped
-  tmpfs at ``/tmp`` (also at ``/dev/shm``). Nothing of the host (the project, ``/work``, ``/run``, ``/var``, ``/etc``,
-  the trainer's ``/tmp``) is visible; no host unix socket or network is reachable (network namespace with only an
-  unconfigured loopback);
-* empty environment (``--clearenv``), a new terminal session (``--new-session``), no capabilities.
+  tmpfs at ``/tmp`` (also at ``/dev/shm``). Once these are mounted, ``/`` and ``/dev`` (bubblewrap's own tmpfs
+  instances, with no size cap) are remounted read-only, so ``/tmp`` and ``/dev/shm`` are the only writable places.
+  Nothing of the host (the project, ``/work``, ``/run``, ``/var``, ``/etc``, the trainer's ``/tmp``) is visible; no
+  host unix socket or network is reachable (network namespace with only an unconfigured loopback). The harness
+  empties ``/tmp`` and ``/dev/shm`` after every test, so no file carries over from one test to the next;
+* empty environment (``--clearenv``), a new terminal session (``--new-session``), no capabilities (``--cap-drop
+  ALL``, which also holds when bubblewrap itself is started as root).
 
 Whole-sandbox limits, when the trainer runs as root on cgroup v1 (this project's machines): a cgroup per sample for
 ``memory`` (``memory.limit_in_bytes`` and the swap-inclusive ``memsw`` limit; tmpfs pages count), ``pids``
@@ -28,9 +33,16 @@ implemented yet: there, and when not root, the documented fallback applies: ``RL
 uid of the sample's own, so the count is the sample's total), ``RLIMIT_AS`` per process (so total memory is bounded by
 ``max_processes x memory_bytes``, not ``memory_bytes``), bubblewrap's ``--size`` on the ``/tmp`` tmpfs (no file-count
 cap beyond what fits in memory), no CPU quota. :func:`isolation_report` says which applies.
-Always: per-test CPU seconds (``RLIMIT_CPU`` in the test's process) and wall seconds (the harness kills the test and
-every other process in the namespace), deadlines in the trainer for each reply (it kills the sandbox), ``RLIMIT_FSIZE``,
-``RLIMIT_NOFILE``, no core dumps, an output cap per test.
+Always: per-test CPU seconds (measured by the harness for every process of the test, see :mod:`code_harness`: a test
+over its limit is a timeout whatever it printed; ``RLIMIT_CPU`` a second later ends a runaway) and wall seconds (the
+harness kills the test and every other process in the namespace), deadlines in the trainer for each reply (it kills
+the sandbox), ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core dumps, an output cap per test.
+
+With bubblewrap older than 0.8 (no ``--disable-userns``) nested user namespaces stay possible: a tmpfs the candidate
+mounts there is charged to the memory cgroup, but in the fallback it is bounded by nothing; :func:`isolation_report`
+says which applies. In the fallback without root, ``/tmp`` has no file-count cap (bubblewrap cannot set
+``nr_inodes``): the number of empty files a test can create there is bounded by its time only (and they are
+removed after it).
 
 ``unsafe_subprocess`` (explicit opt-in only): the same harness as a plain subprocess with rlimits and a temp work dir.
 It gives up the file-system isolation (the candidate can read the project, the tests on disk and other samples' files,
@@ -74,7 +86,7 @@ class SandboxLimits:
     """Limits of one sample's sandbox (whole-sandbox where :func:`isolation_report` says ``cgroup``)."""
 
     test_wall_seconds: float = 4.0  # per test, enforced by the harness (kills the test's processes)
-    test_cpu_seconds: int = 2  # per test, RLIMIT_CPU of the test's process
+    test_cpu_seconds: int = 2  # per test, all its processes together (measured by the harness; RLIMIT_CPU + 1 s)
     memory_bytes: int = 512 << 20  # whole sandbox (cgroup memory incl. tmpfs); fallback: RLIMIT_AS per process
     max_processes: int = 64  # whole sandbox (cgroup pids.max); fallback: RLIMIT_NPROC of the sample's uid
     cpu_cores: float = 1.0  # whole sandbox CFS quota (cgroup cpu); fallback: none
@@ -150,8 +162,13 @@ def isolation_report() -> dict[str, str]:
         "memory": "cgroup v1 memory (whole sandbox)" if cg else "RLIMIT_AS (per process)",
         "processes": "cgroup v1 pids (whole sandbox)" if cg else
         ("RLIMIT_NPROC (sample's own uid)" if c.root else "RLIMIT_NPROC (trainer's uid, shared)"),
-        "cpu": "cgroup v1 cpu quota + RLIMIT_CPU per test" if cg else "RLIMIT_CPU per test",
+        "cpu": ("cgroup v1 cpu quota + " if cg else "") + "CPU time per test, measured by the harness "
+        "(RLIMIT_CPU backstop)",
         "tmp": "tmpfs size+nr_inodes (mount namespace)" if c.root else "bwrap --size tmpfs (no file-count cap)",
+        "root_fs": "read-only (/ and /dev; /tmp and /dev/shm are the only writable places)",
+        "user_namespaces": "nested ones blocked (bwrap --disable-userns)" if bwrap_blocks_userns() else
+        "nested ones allowed (bubblewrap < 0.8): a tmpfs mounted there is bounded " +
+        ("by the memory cgroup only" if cg else "by nothing"),
     }
 
 
@@ -230,13 +247,28 @@ def shared_libraries(binaries: list[str]) -> list[str]:
     return sorted(libraries)
 
 
+@lru_cache(maxsize=None)
+def bwrap_blocks_userns() -> bool:
+    """Whether this bubblewrap can forbid nested user namespaces (``--disable-userns``, bubblewrap >= 0.8)."""
+    try:
+        usage = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--disable-userns" in usage
+
+
 def bwrap_command(python: str, root_tmp: bool, limits: SandboxLimits) -> list[str]:
     tmp = (["--bind", "/tmp", "/tmp", "--bind", "/tmp", "/dev/shm"] if root_tmp else
            ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm"])
+    # A nested user namespace would give the candidate CAP_SYS_ADMIN over mounts of its own (an uncapped tmpfs).
+    userns = ["--unshare-user", "--disable-userns"] if bwrap_blocks_userns() else []
     layout = python_layout(python)
-    return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
-            *bind_args(python), "--proc", "/proc", "--dev", "/dev", *tmp, "--chdir", "/tmp",
+    return ["bwrap", "--unshare-all", *userns, "--cap-drop", "ALL", "--die-with-parent", "--new-session",
+            "--as-pid-1", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+            "--setenv", "LANG", "C.UTF-8",
+            *bind_args(python), "--proc", "/proc", "--dev", "/dev", *tmp,
+            # last: bwrap's / and /dev are tmpfs without any cap; the mounts above stay as they are (not recursive)
+            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp",
             layout["exe"], "-I", "-S", "-B", "-c", HARNESS_SOURCE]
 
 
@@ -491,7 +523,8 @@ def _converse(proc: subprocess.Popen, source: str, requests: list[dict], limits:
               backend: str) -> SampleRun:
     run = SampleRun(replies=[None] * len(requests), backend=backend)
     setup = {"source": source, "wall_seconds": limits.test_wall_seconds, "cpu_seconds": limits.test_cpu_seconds,
-             "output_bytes": limits.output_bytes, "pid_namespace": backend == "bwrap"}
+             "output_bytes": limits.output_bytes, "pid_namespace": backend == "bwrap",
+             "scratch_dirs": ["/tmp", "/dev/shm"] if backend == "bwrap" else []}  # emptied after each test
     reader = _LineReader(proc.stdout.fileno(), max_line=limits.output_bytes * 6 + 4096)
     if not _send(proc, setup):
         return run
