@@ -135,6 +135,34 @@ def test_gspo_token_form_matches_trl_sequence_gradient():
         {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.05})
 
 
+@pytest.mark.parametrize("recipe_bias", [None, False])
+def test_gmpo_with_a_kl_term_matches_trl_experimental_gmpo(recipe_bias):
+    """TRL's GMPOTrainer adds beta * (plain k3, sequence mean); the pipeline followed TRL GRPO's default bias
+    correction (k3 * ratio), so with beta > 0 loss and gradient differed (0.1082954 vs 0.1082155 here)."""
+    from trl.experimental.gmpo import GMPOTrainer
+
+    def with_reference(inputs, _rollout):
+        inputs["ref_per_token_logps"] = inputs["old_per_token_logps"] - 0.2
+
+    plugin = GMPO()
+    recipe = {} if recipe_bias is None else {"use_bias_correction_kl": recipe_bias}
+    configured = {**recipe, **plugin.trl_ext_configure_args(trainer="grpo", args=recipe)}
+    assert configured["use_bias_correction_kl"] is False
+    theta, _, inputs = batch()
+    with_reference(inputs, None)
+    trl_args = {"loss_type": "grpo", "epsilon": 0.4, "epsilon_high": 0.4, "beta": 0.04}
+    ours, leaf = trainer_like({**configured, "beta": 0.04}, theta)
+    ours.plugin_host = PluginHost([plugin])
+    theirs, leaf2 = trainer_like(trl_args, theta)
+    l1, g1 = loss_and_grad(lambda t, m, i: t._plugin_loss(m, i), ours, leaf, dict(inputs))
+    l2, g2 = loss_and_grad(GMPOTrainer._compute_loss, theirs, leaf2, dict(inputs))
+    assert torch.allclose(l1, l2, atol=1e-6, rtol=0) and torch.allclose(g1, g2, atol=1e-6, rtol=0), (l1, l2)
+    assert GMPO(GMPO.Params(kl_bias_correction=True)).trl_ext_configure_args(
+        trainer="grpo", args={})["use_bias_correction_kl"] is True
+    assert "use_bias_correction_kl" not in plugin.trl_ext_configure_args(trainer="grpo",
+                                                                         args={"use_bias_correction_kl": True})
+
+
 def test_gmpo_parity_with_trl_experimental_gmpo():
     from trl.experimental.gmpo import GMPOTrainer
 

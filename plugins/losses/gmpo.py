@@ -14,6 +14,10 @@ class GMPOParams(PluginParams):
                                                        "args.epsilon.")
     epsilon_high: float = Field(0.4, gt=0, description="Upper clip bound in log space (ratio <= e^eps); sets "
                                                         "args.epsilon_high.")
+    kl_bias_correction: bool | None = Field(
+        None, description="With args.beta > 0: multiply the per-token k3 KL by the ratio pi_theta/pi_old (TRL GRPO's "
+        "use_bias_correction_kl). null: off, as TRL's GMPOTrainer adds the plain per-sequence mean of k3, unless the "
+        "recipe sets args.use_bias_correction_kl itself; true/false: sets it.")
 
 
 class GMPO(ObjectivePlugin):
@@ -25,6 +29,8 @@ class GMPO(ObjectivePlugin):
     GMPOTrainer (``epsilon=0.4``) and verl ``geo_mean``. Clip bounds are log-space (convention 9): this plugin sets
     ``args.epsilon``/``args.epsilon_high`` to them. One loss per sequence, aggregated seq-mean (``args.loss_type:
     grpo``), which equals TRL GMPO's plain mean over sequences (parity tested). Needs one advantage per sequence.
+    With ``args.beta > 0`` the KL term is TRL GMPO's, k3 without the ratio factor of TRL GRPO's
+    ``use_bias_correction_kl`` (``kl_bias_correction``: null keeps TRL GMPO's unless the recipe sets that field).
     """
 
     name = "gmpo"
@@ -32,6 +38,18 @@ class GMPO(ObjectivePlugin):
 
     def extra_trl_args(self):
         return {"loss_type": "grpo", "epsilon": self.params.epsilon_low, "epsilon_high": self.params.epsilon_high}
+
+    @hookimpl
+    def trl_ext_configure_args(self, trainer, args):
+        wanted = super().trl_ext_configure_args(trainer=trainer, args=args)
+        bias = self.params.kl_bias_correction
+        if bias is not None:
+            wanted["use_bias_correction_kl"] = bias
+        elif "use_bias_correction_kl" not in args:
+            # TRL's GMPOTrainer adds beta * (plain k3, sequence mean); TRL's GRPO default (True) would multiply k3 by
+            # the ratio, so with beta > 0 the loss and gradient differed from TRL GMPO's
+            wanted["use_bias_correction_kl"] = False
+        return wanted
 
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
