@@ -93,6 +93,9 @@ PREF_TABLE = [
     ("Verdict: A ... no, wait. Final verdict: B", 0.0),
     ("The answer is a bit off, so the better one is a mess", None),  # lower-case 'a' is a word, not a verdict
     ("The answer is a bit off.\nVerdict: B", 0.0),
+    # prose after the verdict is not a verdict: "Answer A ..." flipped these to A
+    ("Verdict: B\nAnswer A has an arithmetic error, so B is better.", 0.0), ("[[B]] because answer A is wrong", 0.0),
+    ("Final answer: B", 0.0), ("The better response is A.", 1.0), ("My choice: B", 0.0), ("Answer A", None),
 ]
 
 

@@ -19,8 +19,10 @@ pointwise, in this order of precedence:
   4. else a text that is a number alone (``"7"``, ``"7/10"``, ``"7."``).
   The value must lie in ``[low, high]``; a denominator must equal ``high``; anything else is unparsable
   (``None``): out-of-range numbers, several bare numbers without a verdict marker, no number, empty text.
-pairwise: the last ``<keyword> [:=] A|B|tie`` (keyword verdict/winner/better/preferred/answer/choice), else the last
-  ``[[A]]``/``[[B]]``/``[[C]]`` (MT-Bench, C = tie), else a text that is ``A`` or ``B`` alone. A -> 1.0, B -> 0.0,
+pairwise: the last ``[[A]]``/``[[B]]``/``[[C]]`` (MT-Bench, C = tie; never prose, so it comes first), else the last
+  ``<keyword> [:=] A|B|tie`` (keyword verdict/winner/preferred/preference, or answer/choice/"better [response]" only
+  when followed by ``is``, ``:`` or ``=``, since "Answer A has an error" is prose), else a text that is ``A`` or ``B``
+  alone. A -> 1.0, B -> 0.0,
   tie -> 0.5 (the letters are upper case only, so "answer is a bit off" is no verdict); anything else
   ``None``.
 """
@@ -52,9 +54,13 @@ _SCORE_MTBENCH = re.compile(rf"\[\[\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*\]\]")
 _SCORE_BOLD = re.compile(rf"\*\*\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*\*\*")
 _SCORE_ALONE = re.compile(rf"^\s*[*_\[\(]*\s*({_NUM})\s*(?:/\s*({_NUM}))?\s*[*_\]\)]*\s*\.?\s*$")
 
+# "verdict"/"winner"/"preferred"/"preference" announce a verdict by themselves; "answer", "choice" and "better" are
+# also ordinary words of the judge's prose ("Answer A has an error, so B is better"), so they count only followed by
+# "is", ":" or "=" ("Final answer: B", "the better response is A").
 _PREF_KEYWORD = re.compile(
-    r"(?:verdict|winner|better|preferred|preference|answer|choice)\s*(?:is)?\s*[:=]?\s*[*_\[\(\"']*\s*"
-    r"(?:response|answer|assistant)?\s*((?-i:A|B)|tie)\b", re.I)
+    r"(?:(?:verdict|winner|preferred|preference)\s*(?:is)?\s*[:=]?"
+    r"|(?:answer|choice|better(?:\s+(?:response|answer|one))?)\s*(?:is\b|[:=]))"
+    r"\s*[*_\[\(\"']*\s*(?:response|answer|assistant)?\s*((?-i:A|B)|tie)\b", re.I)
 _PREF_MTBENCH = re.compile(r"\[\[\s*((?-i:A|B|C)|tie)\s*\]\]", re.I)
 _PREF_ALONE = re.compile(r"^\s*[*_\[\(\"']*\s*(A|B)\s*[*_\]\)\"']*\s*\.?\s*$")
 _PREF_VALUE = {"a": 1.0, "b": 0.0, "c": 0.5, "tie": 0.5}
@@ -92,7 +98,9 @@ def parse_preference(text: str | None) -> float | None:
     """1.0 if the judge prefers A, 0.0 for B, 0.5 for a tie (the last verdict), or ``None``."""
     if not text or not text.strip():
         return None
-    match = _last(_PREF_KEYWORD, text) or _last(_PREF_MTBENCH, text) or _PREF_ALONE.match(text)
+    # the explicit [[A]] / [[B]] form first: it is never prose, while a keyword form can be ("[[B]] because answer A
+    # is wrong" read as A before)
+    match = _last(_PREF_MTBENCH, text) or _last(_PREF_KEYWORD, text) or _PREF_ALONE.match(text)
     if match is None:
         return None
     return _PREF_VALUE[match.group(1).lower()]
