@@ -355,7 +355,7 @@ def test_evaluate_generation_scores_an_oracle(tokenizer):
     assert oracle.training
     result = evaluate_generation(oracle, tokenizer, data, exact_match_reward, batch_size=64)
     samples = result.pop("samples")
-    assert result == {"accuracy": 1.0, "reward_mean": 1.0, "n": 200}
+    assert result == {"accuracy": 1.0, "reward_mean": 1.0, "n": 200, "unscored": 0}
     assert [s["prompt"] for s in samples] == data["prompt"][:5]  # eval.json shows a few completions with rewards
     assert all(s["reward"] == 1.0 and s["completion"].startswith(a) for s, a in zip(samples, data["answer"]))
     assert oracle.training  # the training mode is given back
@@ -364,6 +364,20 @@ def test_evaluate_generation_scores_an_oracle(tokenizer):
     sampled = evaluate_generation(oracle, tokenizer, data, exact_match_reward, greedy=False, num_samples=3)
     assert {k: sampled[k] for k in ("accuracy", "reward_mean", "n")} == {"accuracy": 1.0, "reward_mean": 1.0, "n": 600}
     assert [s["prompt"] for s in sampled["samples"]] == [data["prompt"][0]] * 3 + [data["prompt"][1]] * 2
+
+
+def test_evaluation_leaves_rows_the_reward_does_not_score_out_of_its_figures(tokenizer):
+    """A reward returns None for a row it cannot score (math_verify on an unparsable gold answer, exact_match without
+    one): TRL leaves the row out of training, and the evaluation crashed on it (None >= 1.0) after the stage had
+    trained."""
+    data = arithmetic_dataset("test", size=8)
+    answers = list(data["answer"])
+    answers[1] = answers[5] = None
+    data = data.remove_columns("answer").add_column("answer", answers)
+    result = evaluate_generation(OracleModel(tokenizer), tokenizer, data, exact_match_reward)
+    assert {k: result[k] for k in ("accuracy", "reward_mean", "n", "unscored")} == {
+        "accuracy": 1.0, "reward_mean": 1.0, "n": 8, "unscored": 2}
+    assert result["samples"][1]["reward"] is None
 
 
 def test_evaluate_generation_calls_the_reward_with_trls_training_signature(tokenizer):

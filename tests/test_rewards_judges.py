@@ -616,3 +616,19 @@ def test_judge_policy_loss_ignores_infinite_log_probs_at_padded_verdict_position
     loss.backward()
     assert torch.isfinite(logps.grad).all() and (logps.grad[mask == 0] == 0).all()
     assert logps.grad[0, 0].item() == pytest.approx(-1.0 / 3.0) and logps.grad[1, 0].item() == pytest.approx(2.0 / 3.0)
+
+
+def test_math_verify_gold_answers_with_an_escaped_dollar_or_missing():
+    """MATH writes currency as "\\$18.90": the escaped dollar was read as a math delimiter, the gold did not parse and
+    every completion of the row scored None. A missing gold (None, NaN) became the text "None", scored as a product
+    of symbols: \\boxed{None} was correct."""
+    from trl_ext_plugins.rewards.verify_math import math_verify_scores
+
+    assert math_verify_scores(["\\boxed{18.90}", "\\boxed{7}", "$18.9$"], ["\\$18.90"] * 3) == [True, False, True]
+    assert math_verify_scores(["\\boxed{32348}"], ["\\$32,348"]) == [True]
+    assert math_verify_scores(["$3$"], ["$3$"]) == [True]  # an unescaped dollar still delimits
+    assert math_verify_scores(["\\boxed{None}", "\\boxed{3}", "\\boxed{3}", "3"], [None, None, float("nan"), " "]) == \
+        [None] * 4
+    from trl_ext.embedded.arithmetic import exact_match_reward
+
+    assert exact_match_reward(["3", "3", "3", "3"], ["3", None, float("nan"), ""]) == [1.0, None, None, None]

@@ -107,12 +107,9 @@ def evaluate_generation(
     keywords = {name: repeat(values) for name, values in columns.items() if name not in TRL_SUPPLIED_COLUMNS}
     keywords.update(reward_kwargs or {})
     rewards = reward_fn(prompts=repeat(prompts), completions=completions, completion_ids=completion_ids, **keywords)
-    n = len(rewards)
     shown = repeat(prompts)[:NUM_SHOWN_SAMPLES]
     return {
-        "accuracy": sum(reward >= 1.0 for reward in rewards) / n if n else 0.0,
-        "reward_mean": sum(rewards) / n if n else 0.0,
-        "n": n,
+        **reward_summary(rewards),
         # A few completions with their rewards, so eval.json shows what the numbers mean.
         "samples": [{"prompt": prompt, "completion": completion, "reward": reward}
                     for prompt, completion, reward in zip(shown, completions, rewards)],
@@ -130,6 +127,17 @@ def sampled_evaluation(model, tokenizer, dataset, reward_fn: Callable[..., list[
                                   seed=seed, reward_kwargs=reward_kwargs)
     return {"sampled_accuracy": sampled["accuracy"], "sampled_reward_mean": sampled["reward_mean"],
             "sampled_n": sampled["n"]}
+
+
+def reward_summary(rewards: list) -> dict:
+    """``accuracy`` (share of rewards >= 1) and ``reward_mean`` over the scored rows, ``n`` (all rows) and
+    ``unscored``: rows the reward returned None (or NaN) for, e.g. a gold answer math_verify cannot parse. TRL leaves
+    such rows out of training; here they crashed the evaluation (None >= 1.0) after the stage had trained."""
+    scored = [float(r) for r in rewards if r is not None and r == r]
+    count = len(scored)
+    return {"accuracy": sum(r >= 1.0 for r in scored) / count if count else 0.0,
+            "reward_mean": sum(scored) / count if count else 0.0,
+            "n": len(rewards), "unscored": len(rewards) - count}
 
 
 @contextlib.contextmanager

@@ -31,7 +31,8 @@ def completion_text(completion: Any) -> str:
     return ""
 
 
-_DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed|\\fbox")
+# An escaped dollar (MATH's currency, "\\$18.90") is text, not a math delimiter.
+_DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed|\\fbox")
 
 
 def parse_gold(answer: str, config: list, parsing_timeout: int | None = 5) -> list:
@@ -71,6 +72,9 @@ def math_verify_scores(completions: list[Any], answers: list[Any], parsing_timeo
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     out: list[bool | None] = []
     for completion, answer in zip(completions, answers, strict=True):
+        if missing_answer(answer):  # str(None) is "None", a product of symbols that \boxed{None} would match
+            out.append(None)
+            continue
         gold = parse_gold(str(answer), config, parsing_timeout)
         if not gold:
             out.append(None)
@@ -78,6 +82,15 @@ def math_verify_scores(completions: list[Any], answers: list[Any], parsing_timeo
         pred = parse(completion_text(completion), extraction_config=config, parsing_timeout=parsing_timeout)
         out.append(bool(pred) and bool(verify(gold, pred, timeout_seconds=verify_timeout)))
     return out
+
+
+def missing_answer(answer: Any) -> bool:
+    """A dataset cell that holds no gold answer: None, NaN (pandas' missing value) or blank text."""
+    if answer is None:
+        return True
+    if isinstance(answer, float):
+        return answer != answer
+    return isinstance(answer, str) and not answer.strip()
 
 
 class MathVerify(Plugin):

@@ -245,18 +245,17 @@ def evaluate_tool_environment(model, tokenizer, dataset, factory, score, *, max_
             own.append(float(env.get_reward()) if owns_reward else 0.0)
     finally:
         model.train(was_training)
-    from trl_ext.evaluation import TRL_SUPPLIED_COLUMNS
+    from trl_ext.evaluation import TRL_SUPPLIED_COLUMNS, reward_summary
 
     columns = {name: dataset[name] for name in dataset.column_names if name not in TRL_SUPPLIED_COLUMNS}
     columns.update(reward_kwargs or {})
     rewards = score(prompts=dataset["prompt"], completions=episodes, **columns) if episodes else []
-    rewards = [r + o for r, o in zip(rewards, own, strict=True)]  # get_reward counts with weight 1, as in TRL
+    # get_reward counts with weight 1, as in TRL; a row the reward function did not score stays unscored
+    rewards = [None if r is None else r + o for r, o in zip(rewards, own, strict=True)]
     n = len(rewards)
     calls = [sum(m["role"] == "tool" for m in episode) for episode in episodes]
     return {
-        "accuracy": sum(r >= 1.0 for r in rewards) / n if n else 0.0,
-        "reward_mean": sum(rewards) / n if n else 0.0,
-        "n": n,
+        **reward_summary(rewards),
         "tool_calls": sum(calls) / n if n else 0.0,
         "samples": [{"prompt": p[-1]["content"], "completion": e, "reward": r}
                     for p, e, r in zip(dataset["prompt"][:5], episodes[:5], rewards[:5])],

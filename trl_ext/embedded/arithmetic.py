@@ -142,8 +142,9 @@ def _completion_text(completion) -> str:
 
 
 def exact_match_reward(completions: list, answer: list[str], answer_after: str | None = None,
-                       **kwargs) -> list[float]:
-    """1.0 where the integer at the start of the completion equals the gold answer, else 0.0.
+                       **kwargs) -> list[float | None]:
+    """1.0 where the integer at the start of the completion equals the gold answer, else 0.0; None (TRL: the function
+    does not apply) where the row has no gold answer (None, NaN or blank).
 
     Special-token text (e.g. "<eos>") and surrounding whitespace are ignored; anything after the
     leading integer is ignored too, so "46<eos>", " 46", "46." and "46 =" all match "46" but "460" and
@@ -155,6 +156,9 @@ def exact_match_reward(completions: list, answer: list[str], answer_after: str |
     """
     rewards = []
     for completion, gold in zip(completions, answer, strict=True):
+        if gold is None or gold != gold or not str(gold).strip():  # no gold answer (None, NaN, blank): unscored
+            rewards.append(None)
+            continue
         text = _SPECIAL_TEXT.sub("", _completion_text(completion))
         if answer_after:
             text = text.rsplit(answer_after, 1)[-1]
