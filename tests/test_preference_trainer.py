@@ -55,6 +55,22 @@ def test_parity_with_trl_dpo_loss_types(tiny_trainer):
         assert abs(ours.item() - value_at_init) > 1e-3, loss_type  # the perturbation made the check non-trivial
 
 
+def test_evaluation_with_outputs_keeps_the_plugin_loss(tiny_trainer):
+    """With compute_metrics, TRL's prediction_step asks for outputs too; that call returned TRL's own loss_type, so
+    eval_loss was the sigmoid DPO loss whatever the plugin (IPO here, 1.0 at the initial policy, not ln 2)."""
+    trainer = tiny_trainer("dpo", [IPO()], args={"beta": 0.5})
+    _double(trainer)
+    _perturb(trainer.model)
+    batch = _batch(trainer)
+    plain = trainer.compute_loss(trainer.model, batch)
+    with_outputs, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True)
+    assert with_outputs.item() == pytest.approx(plain.item(), abs=1e-9)
+    assert outputs.logits.shape[:2] == batch["input_ids"].shape
+    trainer.plugin_host = PluginHost([])
+    trainer.loss_types, trainer.loss_weights = ["sigmoid"], [1.0]
+    assert abs(trainer.compute_loss(trainer.model, batch).item() - plain.item()) > 1e-3  # the two losses differ
+
+
 def test_parity_simpo_with_trl_cpo_and_orpo_odds_ratio():
     from trl.experimental.cpo import CPOTrainer
     from trl.experimental.orpo import ORPOTrainer

@@ -63,6 +63,14 @@ class ExtDPOTrainer(HostMixin, DPOTrainer):
 
     def _compute_loss(self, model, inputs, return_outputs):
         columns = {k: inputs[k] for k in self.preference_columns if k in inputs}
+        if return_outputs and self.plugin_host.implements("trl_ext_preference_loss"):
+            # Evaluation with compute_metrics asks for outputs too: the loss is still the plugin's (TRL's own
+            # loss_type was returned here, so eval_loss ignored IPO, SimPO, ...), the outputs TRL's extra forward.
+            loss = self._compute_loss(model, inputs, False)
+            model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS and k not in columns}
+            with torch.no_grad():
+                outputs = model(**model_kwargs, use_cache=False)
+            return loss, outputs
         inputs = {k: v for k, v in inputs.items() if k not in columns}
         if return_outputs or not self.plugin_host.implements("trl_ext_preference_loss"):
             return super()._compute_loss(model, inputs, return_outputs)
