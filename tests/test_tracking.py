@@ -96,7 +96,7 @@ def test_one_tensorboard_run_per_stage_with_heldout_results(tmp_path, recording_
         scalars = {e[1]: (e[2], e[3]) for e in events if e[0] == "scalar"}
         for when in ("before", "after"):
             sampled = ("sampled_accuracy", "sampled_reward_mean", "sampled_n") if stage == "second" else ()
-            assert set(evaluation[when]) == {"accuracy", "reward_mean", "n", "samples", *sampled}
+            assert set(evaluation[when]) == {"accuracy", "reward_mean", "n", "unscored", "samples", *sampled}
             assert evaluation[when].get("sampled_n", 16) == 16  # 8 prompts x mean_at_k 2
             for key in ("accuracy", "reward_mean", "n", *sampled):
                 assert scalars[f"eval/heldout_{key}_{when}"] == (evaluation[when][key], 2)  # at the last step
