@@ -6,8 +6,9 @@ distillation (GKD, a teacher and sampled completions), an MTP-head (frozen trunk
 there (``TRL_EXT_CRASH_AT``, trl_ext/faults.py: ``os._exit(137)``, which is what SIGKILL leaves: no cleanup, no
 ``finally``) followed by the same command again.
 The resumed run's final weights (``model.safetensors``, compared tensor by tensor with ``torch.equal``) and every
-per-step metrics row must equal the uninterrupted run's. The end-of-training row is Trainer's own summary (runtimes;
-``train_loss`` averaged over the steps of the session that logs it), so only its presence is compared.
+per-step metrics row must equal the uninterrupted run's, and so must ``train_loss`` (the end-of-training row's and the
+stage summary's: Trainer's running-loss accounting is checkpointed); the rest of the end-of-training row is runtimes,
+so only its presence is compared.
 
 Each trainer runs in one subprocess that imports TRL once and forks a child per run (fork keeps the cost at training
 time, not import time); the child calls ``trl_ext.cli.main`` exactly as the command line does.
@@ -152,6 +153,13 @@ def _step_rows(folder: Path) -> tuple[list[dict], int]:
     return steps, len(summary)
 
 
+def _train_loss(folder: Path) -> tuple:
+    """``train_loss`` of the end-of-training row and of the stage summary."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    end = next(r["train_loss"] for r in rows if "train_runtime" in r)
+    return end, json.loads((folder / "stage.json").read_text())["summary"]["train_loss"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", sorted(RECIPES))
 def test_killed_at_every_write_point_resumes_to_the_uninterrupted_result(tmp_path, trainer):
@@ -183,6 +191,7 @@ def test_killed_at_every_write_point_resumes_to_the_uninterrupted_result(tmp_pat
         rows, summaries = _step_rows(stage)
         assert rows == ref_rows, f"{point}: metrics rows differ\n{rows}\n{ref_rows}"
         assert summaries == 1, point
+        assert _train_loss(stage) == _train_loss(reference), f"{point}: train_loss differs from the uninterrupted run"
         assert not (stage.parent / ".trl-ext.lock").exists(), f"{point}: lock left behind after the rerun"
         assert not list(stage.glob(".final-save")), point
 

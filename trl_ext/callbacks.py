@@ -115,6 +115,59 @@ class CheckpointCompletionCallback(TrainerCallback):
         PartialState().wait_for_everyone()
 
 
+LOSS_ACCOUNTING_DIR = "trl_ext_loss_accounting"
+
+
+class LossAccountingCheckpoint(TrainerCallback):
+    """Checkpoints Trainer's running-loss accounting, so a resumed stage reports what the uninterrupted one does.
+
+    Trainer keeps the loss of the steps since the last log on each rank (``_tr_loss``), the logged losses summed
+    (``_total_loss_scalar``) and the last logged step, and starts them afresh in every ``train`` call: a resumed
+    session's first logged ``loss`` then averaged only its own steps since the checkpoint, and its ``train_loss``
+    (end-of-training row, stage summary) only the resumed session's steps (4.3248 against 4.3401 uninterrupted). Each
+    rank writes its figures with every checkpoint (before the completion marker) and reads them back at
+    ``on_train_begin``, where Trainer has just reset them; the run's first step then counts from 0 again. A checkpoint
+    without the file (written by an older version) resumes as before.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    @staticmethod
+    def path(output_dir, step: int, rank: int) -> Path:
+        return Path(output_dir) / f"checkpoint-{step}" / LOSS_ACCOUNTING_DIR / f"rank{rank}.json"
+
+    def on_save(self, args, state, control, **kwargs):
+        from trl_ext.files import write_json_atomic
+
+        trainer = self.trainer
+        pending = getattr(trainer, "_tr_loss", None)
+        write_json_atomic(self.path(args.output_dir, state.global_step, trainer.accelerator.process_index), {
+            "total_loss_scalar": float(getattr(trainer, "_total_loss_scalar", 0.0)),
+            "tr_loss": float(pending.item()) if pending is not None else 0.0,
+            "globalstep_last_logged": int(getattr(trainer, "_globalstep_last_logged", state.global_step))})
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch
+
+        trainer = self.trainer
+        saved = read_loss_accounting(args.output_dir, state.global_step, trainer.accelerator.process_index)
+        if saved is None:
+            return
+        trainer._total_loss_scalar = saved["total_loss_scalar"]
+        trainer._tr_loss = torch.tensor(saved["tr_loss"], dtype=trainer._tr_loss.dtype, device=trainer._tr_loss.device)
+        trainer._globalstep_last_logged = saved["globalstep_last_logged"]
+        trainer._initial_global_step = 0  # train_loss divides by the steps since this: the whole run's
+
+
+def read_loss_accounting(output_dir, step: int, rank: int = 0) -> dict | None:
+    """The loss accounting :class:`LossAccountingCheckpoint` saved with ``checkpoint-<step>`` (None: none saved)."""
+    if step == 0:
+        return None
+    path = LossAccountingCheckpoint.path(output_dir, step, rank)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def restore_plugin_checkpoint_state(trainer) -> None:
     """Bring plugin state back from the checkpoint the trainer was loaded from, without training.
 

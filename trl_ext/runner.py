@@ -561,7 +561,7 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from trl_ext.callbacks import (CheckpointCompletionCallback, MetricsJsonlCallback,
+    from trl_ext.callbacks import (CheckpointCompletionCallback, LossAccountingCheckpoint, MetricsJsonlCallback,
                                    plugin_checkpoints_before_completion)
     from trl_ext.rewards import collect_reward_functions
     from trl_ext.tracking import StageReporting, heldout_logs, stage_run_name, tensorboard_dir, tensorboard_logging_dir
@@ -613,6 +613,8 @@ def run_stage(rs: ResolvedStage, ctx: RunContext, fingerprint: str) -> dict[str,
         trainer = rs.kind.build(build)
     reporting = StageReporting(trainer).hold()  # report_to backends stay open for the held-out results
     with plugin_checkpoints_before_completion(trainer):  # plugins' checkpoint files precede the completion marker
+        if hasattr(trainer, "add_callback"):  # a merge stage trains nothing and has no callbacks
+            trainer.add_callback(LossAccountingCheckpoint(trainer))
         rs.host.hook.trl_ext_trainer_created(trainer=trainer)
 
     evaluation = _load_eval(stage_dir)
@@ -717,7 +719,7 @@ def _finish_from_final_checkpoint(trainer, checkpoint: str, metrics_path: Path, 
     from transformers import TrainerState
     from transformers.trainer_utils import TrainOutput
 
-    from trl_ext.callbacks import read_jsonl, restore_plugin_checkpoint_state, rewrite_jsonl
+    from trl_ext.callbacks import read_jsonl, read_loss_accounting, restore_plugin_checkpoint_state, rewrite_jsonl
 
     trainer._load_from_checkpoint(checkpoint)
     trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
@@ -727,6 +729,9 @@ def _finish_from_final_checkpoint(trainer, checkpoint: str, metrics_path: Path, 
     if is_main:
         rewrite_jsonl(metrics_path, rows)
     train_loss = next((row["train_loss"] for row in reversed(rows) if "train_loss" in row), None)
+    accounting = read_loss_accounting(Path(checkpoint).parent, step)
+    if accounting is not None and step > 0:  # Trainer's own formula: logged losses plus the undrained rest, per step
+        train_loss = (accounting["total_loss_scalar"] + accounting["tr_loss"]) / step
     return TrainOutput(step, train_loss, {})
 
 
