@@ -179,6 +179,35 @@ def test_output_dir_with_another_recipes_finished_stage(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
     assert code == 2 and "holds a finished stage 'main' of a different recipe" in err
     assert (out / "run.json").read_text() == '{"status": "complete"}'  # untouched
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "main").symlink_to(elsewhere)
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", str(linked))
+    assert code == 2 and "the folder of stage 'main' is a symlink" in err
+    # validate checks what train checks: it said "valid" for this directory
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", str(out))
+    assert code == 2 and "holds a finished stage 'main' of a different recipe" in err
+
+
+def test_yaml_values_too_large_to_read_are_one_line(tmp_path, capsys):
+    """An integer over Python's 4300-digit parsing limit raised a bare ValueError (exit 1, no file named), also from a
+    sibling recipe read only for a hint; a long string aliased many times slipped past the node-count bound (a 1 MB
+    file expanding to 60 GB of text)."""
+    huge = "1" + "0" * 5000
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, f"trainer: sft\nargs: {{max_steps: {huge}}}\n", "a.yaml"))
+    assert code == 2 and "line 2: an integer of 5001 digits" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, BASE, "b.yaml"), "--set", f"args.max_steps={huge}")
+    assert code == 2 and "an integer of 5001 digits" in err
+    text = "x: &a " + "y" * 500_000 + "\nargs:\n  report_to: [" + ", ".join(["*a"] * 20) + "]\n"
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, text, "c.yaml"))
+    assert code == 2 and "characters of text (alias bomb?)" in err and len(err) < 500
+    sibling = tmp_path / "sibling"
+    sibling.mkdir()
+    write(sibling, f"trainer: sft\nargs: {{max_steps: {huge}}}\n", "zz_unrelated.yaml")
+    code, _, err = run_cli(capsys, "validate", write(sibling, {**BASE, "model": "./runs/nowhere/main"}, "main.yaml"))
+    assert code == 2 and "no such model folder" in err and "ValueError" not in err
 
 
 def test_plugins_list_and_show(capsys):
@@ -262,3 +291,21 @@ def test_a_run_that_fills_its_disk_says_so_in_one_line(tmp_path, capsys, monkeyp
     monkeypatch.setattr(trl_ext.runner, "run_recipe", no_space)
     code, _, err = run_cli(capsys, "train", write(tmp_path, BASE), "--output-dir", str(out))
     assert code == 1 and "no space left on its file system" in err
+
+
+def test_plots_replace_a_symlink_and_skip_a_torn_metrics_line(tmp_path):
+    """curves.png was saved straight to its path, so a symlink planted there had its target overwritten with a PNG;
+    a torn last line in metrics.jsonl (a killed run) failed the plot."""
+    from trl_ext.plotting import plot_curves
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "run"
+    (out / "main").mkdir(parents=True)
+    metrics = out / "main" / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + json.dumps({"step": 2, "loss": 1.5}) + "\n"
+                       + '{"step": 3, "lo')
+    (out / "curves.png").symlink_to(victim)
+    plot_curves({"main": metrics}, out / "curves.png")
+    assert victim.read_text() == "keep me"
+    assert not (out / "curves.png").is_symlink() and (out / "curves.png").read_bytes()[:4] == b"\x89PNG"

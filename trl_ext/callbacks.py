@@ -11,25 +11,11 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from trl_ext.faults import crash_point
+from trl_ext.files import read_jsonl  # noqa: F401 - re-exported: the runner and tests read metrics with it
 
 CHECKPOINT_COMPLETE = "trl_ext_complete.json"
 # Keys of the end-of-training row Trainer.train logs; a resumed run logs its own, so an interrupted run's is dropped.
 _SUMMARY_KEYS = ("train_runtime", "train_samples_per_second")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file, skipping a torn (half-written) line such as a killed process leaves."""
-    rows = []
-    if not path.exists():
-        return rows
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def rewrite_jsonl(path: Path, rows: list[dict]) -> None:

@@ -81,11 +81,14 @@ def _output_dir(ns, recipe) -> str:
 
 
 def cmd_validate(ns) -> int:
-    from trl_ext.runner import preflight
+    from trl_ext.runner import check_output_dir, preflight, stage_fingerprints
 
     recipe = _load_recipe(ns.recipe, ns.set, ns.trl)
-    resolved = preflight(recipe, _catalog(ns), _output_dir(ns, recipe), max_steps=ns.max_steps,
+    output_dir = _output_dir(ns, recipe)
+    resolved = preflight(recipe, _catalog(ns), output_dir, max_steps=ns.max_steps,
                          warn=lambda message: print(f"warning: {message}", file=sys.stderr))
+    # what train checks next: an output directory holding another recipe's stages is refused (nothing is removed here)
+    check_output_dir(Path(output_dir), stage_fingerprints(resolved))
     for rs in resolved:
         print(f"stage {rs.spec.name!r}: trainer={rs.spec.trainer} plugins={rs.host.names() or 'none'}")
     print(f"{ns.recipe}: valid")

@@ -1,9 +1,10 @@
 """Training curves of a multi-stage run: loss, reward and held-out accuracy against a global step axis."""
 
-import json
 from pathlib import Path
 
 from matplotlib.figure import Figure
+
+from trl_ext.files import read_jsonl, save_figure_atomic
 
 LOSS_KEY = "loss"
 
@@ -64,7 +65,7 @@ def plot_curves(metrics_files: dict[str, Path], out_png: Path,
             axes.legend()
 
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out_png, dpi=100)
+    save_figure_atomic(figure, out_png, dpi=100)
     return out_png
 
 
@@ -73,7 +74,7 @@ def _read_records(path: Path) -> list[dict]:
     # such as a final summary written by something other than TRL, cannot be placed and are dropped.
     if not path.exists():
         return []
-    records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    records = read_jsonl(path)  # a torn last line (a killed run) is skipped, not a failed plot
     return [r for r in records if _is_number(r.get("step"))]
 
 

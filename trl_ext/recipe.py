@@ -39,6 +39,8 @@ MANAGED_ARGS = {"output_dir": "use the top-level `output_dir` or `trl-ext train 
 # loaded, never by exhausting memory): a YAML alias bomb is a few hundred bytes that expand to billions of nodes.
 MAX_RECIPE_BYTES = 1 << 20
 MAX_YAML_NODES = 200_000  # nodes after alias expansion
+MAX_YAML_CHARS = 8 * MAX_RECIPE_BYTES  # scalar characters after alias expansion (a long string aliased many times)
+MAX_INT_DIGITS = 4000  # below Python's int-parsing limit (4300 digits), which raised a bare ValueError
 MAX_YAML_DEPTH = 64
 # Names that become folder names under the output directory: no separator, no `..`, nothing hidden (`_embedded` and
 # dot-files belong to the runner), no dots (no clash with run.json or curves.png), at most 64 characters.
@@ -444,15 +446,17 @@ def safe_yaml(text: str, where: str) -> Any:
     except RecursionError:
         # PyYAML composes recursively: thousands of nested brackets overflow the stack before the depth check runs.
         raise RecipeError(f"{where}: YAML nested deeper than {MAX_YAML_DEPTH} levels") from None
+    except ValueError as exc:  # a value PyYAML's constructors cannot build (after the checks above: rare)
+        raise RecipeError(f"{where}: cannot read a value: {' '.join(str(exc).split())}") from None
     finally:
         loader.dispose()
 
 
 def _check_node_graph(root: yaml.Node, where: str) -> None:
-    sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded node count, depth)
+    sizes: dict[int, tuple[int, int, int]] = {}  # id(node) -> (expanded node count, depth, expanded characters)
     active: set[int] = set()
 
-    def visit(node: yaml.Node) -> tuple[int, int]:
+    def visit(node: yaml.Node) -> tuple[int, int, int]:
         key = id(node)
         if key in sizes:
             return sizes[key]
@@ -477,14 +481,22 @@ def _check_node_graph(root: yaml.Node, where: str) -> None:
                     first_line[name] = key_node.start_mark.line + 1
         else:
             children = []
+        chars = len(node.value) if isinstance(node, yaml.ScalarNode) else 0
+        if (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
+                and len(node.value) > MAX_INT_DIGITS):
+            raise RecipeError(f"{where}: line {node.start_mark.line + 1}: an integer of {len(node.value)} digits; "
+                              f"no recipe number needs more than {MAX_INT_DIGITS}")
         for child in children:
-            child_count, child_depth = visit(child)
-            count, depth = count + child_count, max(depth, child_depth + 1)
+            child_count, child_depth, child_chars = visit(child)
+            count, depth, chars = count + child_count, max(depth, child_depth + 1), chars + child_chars
             if count > MAX_YAML_NODES:
                 raise RecipeError(f"{where}: YAML expands to more than {MAX_YAML_NODES} values (alias bomb?)")
+            if chars > MAX_YAML_CHARS:
+                raise RecipeError(f"{where}: YAML expands to more than {MAX_YAML_CHARS} characters of text (alias "
+                                  f"bomb?)")
         active.discard(key)
-        sizes[key] = (count, depth)
-        return count, depth
+        sizes[key] = (count, depth, chars)
+        return count, depth, chars
 
     visit(root)
 

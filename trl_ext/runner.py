@@ -120,7 +120,7 @@ def prerequisite_hint(message: str, recipe: Recipe) -> str:
     for candidate in sorted(recipe_file.parent.glob("*.yaml")):
         try:
             data = load_raw(candidate)  # bounded, UTF-8, a mapping; RecipeError otherwise
-        except RecipeError:
+        except Exception:  # noqa: BLE001 - only a hint: an unrelated file beside the recipe must not fail validation
             continue
         stages = data.get("stages") or ([{"name": data.get("name", "main")}] if "trainer" in data else [])
         if not isinstance(stages, list) or not isinstance(data.get("output_dir") or "", str):
@@ -217,6 +217,10 @@ def check_output_dir(output_dir: Path, fingerprints: dict[str, str], restart_unf
     """
     if not output_dir.is_dir():
         return
+    for name in fingerprints:  # a stage folder that is a symlink would put the stage's files outside the directory
+        if (output_dir / name).is_symlink():
+            raise OutputDirError(f"{output_dir / name}: the folder of stage {name!r} is a symlink; trl-ext writes only "
+                                 f"inside the output directory (remove the link)")
     for stage_dir in sorted(p for p in output_dir.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
         name = stage_dir.name
         finished = _read_json(stage_dir / COMPLETE_MARKER)

@@ -182,6 +182,8 @@ def next_round_trainer(previous, model, dataset, round_index: int, checkpoints, 
 def write_history(directory: Path, history: list[dict[str, Any]]) -> None:
     from matplotlib.figure import Figure
 
+    from trl_ext.files import save_figure_atomic
+
     from trl_ext.files import write_json_atomic
 
     write_json_atomic(directory / "rejection_sampling.json", history)
@@ -192,4 +194,4 @@ def write_history(directory: Path, history: list[dict[str, Any]]) -> None:
     axes.set_ylabel("acceptance rate")
     axes.set_ylim(0, 1)
     axes.set_title("rejection sampling: verifier acceptance per round")
-    figure.savefig(directory / "rejection_sampling.png")
+    save_figure_atomic(figure, directory / "rejection_sampling.png")

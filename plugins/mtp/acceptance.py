@@ -153,6 +153,8 @@ def plot_acceptance(figures: dict[str, Acceptance], out_png: str | Path, title: 
     steps (length ``None``) gets an empty bar labelled "no drafts", not a 0 that would read as all rejected."""
     from matplotlib.figure import Figure
 
+    from trl_ext.files import save_figure_atomic
+
     out_png = Path(out_png)
     figure = Figure(figsize=(6, 3.6), layout="constrained")
     axes = figure.subplots()
@@ -165,5 +167,5 @@ def plot_acceptance(figures: dict[str, Acceptance], out_png: str | Path, title: 
     axes.set_ylabel("mean accepted draft tokens / step")
     axes.set_title(title)
     axes.set_ylim(0, max([v for v in values if v is not None] + [1e-3]) * 1.2)
-    figure.savefig(out_png, dpi=100)
+    save_figure_atomic(figure, out_png, dpi=100)
     return out_png

@@ -514,7 +514,9 @@ def plot_environment_rewards(metrics_path: Path, out_png: Path, names: list[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    from trl_ext.files import read_jsonl, save_figure_atomic
+
+    records = read_jsonl(metrics_path)  # a torn last line (a killed run) is skipped
     figure, axes = plt.subplots(figsize=(6, 4))
     for name in names:
         key = f"multi_env/{name}/reward"
@@ -525,7 +527,7 @@ def plot_environment_rewards(metrics_path: Path, out_png: Path, names: list[str]
     axes.set_ylabel("train reward")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(out_png)
+    save_figure_atomic(figure, out_png)
     plt.close(figure)
     return out_png
 
