@@ -108,3 +108,28 @@ def test_unscorable_samples_stay_out_of_the_estimates():
     assert best_in_group(torch.tensor([nan, 0.0, 2.0, nan, nan, nan, nan, nan]), 4).tolist() == [0, 0, 1, 0,
                                                                                                   0, 0, 0, 0]
     assert bond_advantages(torch.full((4,), nan), 4, 4, 0.5).tolist() == [0.0] * 4
+
+
+def test_bon_nll_is_a_token_mean_over_every_ranks_best_samples():
+    """The forward part was a token mean over this rank's micro-batch: with the group's best sample on rank 0 of 2,
+    rank 1 added 0 and data parallel's gradient average halved the term (1.0 on one process, 0.5 on two). The default
+    now divides by the best samples' tokens of the whole generation batch."""
+    import dataclasses
+
+    from test_losses import make_inputs
+
+    logps = [[math.log(0.5), math.log(0.25)], [math.log(0.1), math.log(0.1)]]
+    best, other = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0])
+    plugin = BOND(BONDParams(beta=0.0))  # the forward part alone, weight 1
+    expected = (math.log(2) + math.log(4)) / 2  # the 2 best tokens, whichever rank holds them
+    rank0 = dataclasses.replace(make_inputs(logps, bond_best=best, bond_best_tokens=torch.full((2,), 2.0)),
+                                num_processes=2)
+    rank1 = dataclasses.replace(make_inputs(logps, bond_best=other, bond_best_tokens=torch.full((2,), 2.0)),
+                                num_processes=2)
+    averaged = (plugin.trl_ext_extra_loss(rank0) + plugin.trl_ext_extra_loss(rank1)) / 2  # DDP's gradient average
+    assert averaged.item() == pytest.approx(expected)
+    one_process = plugin.trl_ext_extra_loss(make_inputs(logps, bond_best=best, bond_best_tokens=torch.full((2,), 2.0)))
+    assert one_process.item() == pytest.approx(expected)
+    per_rank = BOND(BONDParams(beta=0.0, bon_nll_mean="micro_batch"))
+    assert ((per_rank.trl_ext_extra_loss(rank0) + per_rank.trl_ext_extra_loss(rank1)) / 2).item() == \
+        pytest.approx(expected / 2)  # the per-rank convention, kept as an option

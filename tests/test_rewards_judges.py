@@ -542,7 +542,12 @@ def test_judge_rewards_advantages_and_term_match_independent_computation(tiny_mo
         chunk = slice(3 * k, 3 * k + 3)
         ref = _reference_judge_loss(model, seqs[chunk], JUDGE_ADV[chunk], 0.7, n_tokens)
         assert abs(term.item() - ref.item()) < 1e-8
-    assert li.metrics["self_judge/judge_tokens"] == sum(len(v) for _, v in seqs[3:])
+    from trl_ext.metrics import reduce_figures
+
+    logged = reduce_figures(li.metrics)  # figures of every rank's tokens (one process here)
+    assert logged["self_judge/judge_tokens"] == sum(len(v) for _, v in seqs[3:])
+    last = _reference_judge_loss(model, seqs[3:], JUDGE_ADV[3:], 0.7, sum(len(v) for _, v in seqs[3:]))
+    assert logged["self_judge/judge_loss"] == pytest.approx(last.item(), abs=1e-6)
     # GA scaling: one micro-batch per generation batch over 4 accumulation steps -> whole term / 4
     plugin._pending["cursor"] = 0
     whole = plugin.trl_ext_extra_loss(_loss_inputs(model, steps_per_generation=1, grad_accum_steps=4))
@@ -632,3 +637,22 @@ def test_math_verify_gold_answers_with_an_escaped_dollar_or_missing():
     from trl_ext.embedded.arithmetic import exact_match_reward
 
     assert exact_match_reward(["3", "3", "3", "3"], ["3", None, float("nan"), ""]) == [1.0, None, None, None]
+
+
+def test_pairwise_judges_refuse_groups_split_between_processes():
+    """TRL requires whole groups over all processes only: 6 rows per process with num_generations 4 split a group in
+    two, each process judging half of it (win rates 1.0 / 0.0 where one process gives 0.667 / 0.333)."""
+    from trl_ext.recipe import StageSpec
+
+    def stage(**args):
+        return StageSpec(trainer="grpo", model="embedded:tiny-qwen2", dataset={"source": "embedded:arithmetic"},
+                         args={"num_generations": 4, **args})
+
+    split = judging.split_group_error(stage(per_device_train_batch_size=6), "llm_judge", num_processes=2)
+    assert "holds 6 rows of a generation batch, which splits groups of num_generations=4" in split
+    assert judging.split_group_error(stage(per_device_train_batch_size=6), "llm_judge", num_processes=1) is None
+    assert judging.split_group_error(stage(per_device_train_batch_size=8), "llm_judge", num_processes=2) is None
+    assert judging.split_group_error(stage(per_device_train_batch_size=2, steps_per_generation=2), "self_judge",
+                                     num_processes=2) is None  # 4 rows per process per generation batch
+    assert judging.split_group_error(stage(per_device_train_batch_size=8, generation_batch_size=12), "llm_judge",
+                                     num_processes=2) is not None  # 6 rows per process

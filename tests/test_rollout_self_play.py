@@ -182,6 +182,29 @@ def test_proposer_reward_of_a_batch():
     assert solver.trl_ext_reward_functions(stage=None) is None
 
 
+def test_the_repetition_share_is_over_every_ranks_questions(monkeypatch):
+    """TRL calls a reward function on each rank's rows: the share was taken over one rank's slice, so on 2 ranks a
+    unique question paid 2/B and a duplicate on the other rank was not counted. Rank r now clusters the gathered batch
+    and keeps its own slice, which equals the one-process rewards sliced."""
+    import accelerate
+    import accelerate.utils
+
+    plugin = StandInSolver(SelfPlay.Params(role="proposer", partner="unused", samples=10,
+                                           repetition_clustering="exact"))
+    plugin.table = {"1+2=": ["3"] * 5 + ["4"] * 5, "5+6=": ["11"] * 5 + ["12"] * 5}  # p_hat 0.5 -> r_unc 1
+    prompts, completions = ["1+", "5+", "1+", "5+"], ["2=", "6=", "2=", "x"]
+    one = plugin._proposer_reward(prompts, completions)
+    assert one == pytest.approx([1 - 0.5, 1 - 0.25, 1 - 0.5, 0.0])  # "1+2=" twice in B = 4: 2/4
+    halves = {0: (prompts[:2], completions[:2]), 1: (prompts[2:], completions[2:])}
+    for rank, (rank_prompts, rank_completions) in halves.items():
+        class TwoRanks:  # rank `rank` of 2, as PartialState reports it
+            num_processes, process_index = 2, rank
+        monkeypatch.setattr(accelerate, "PartialState", TwoRanks)
+        everyone = [plugin.question_text(x, c) for x, c in zip(prompts, completions)]
+        monkeypatch.setattr(accelerate.utils, "gather_object", lambda _mine, everyone=everyone: list(everyone))
+        assert plugin._proposer_reward(rank_prompts, rank_completions) == pytest.approx(one[2 * rank:2 * rank + 2])
+
+
 def test_a_malformed_copy_of_a_problem_is_its_own_cluster():
     """R-Zero's released reward (caller_penalty.py) clusters a malformed proposal as an empty question, a singleton:
     BLEU put two malformed near-copies of "1 + 2 =" in its cluster (share 3/4, reward 0.25); now its share is 1/4,

@@ -13,6 +13,7 @@ from trl_ext import metrics as figures
 from trl_ext_plugins.distill import math as dm
 
 BEST_KEY = "bond_best"  # per-row flag handed to the loss: this sample is its group's best (a BoN sample)
+BEST_TOKENS_KEY = "bond_best_tokens"  # (B,) the count of best samples' loss tokens over every rank's generation batch
 
 
 class BONDParams(PluginParams):
@@ -26,6 +27,11 @@ class BONDParams(PluginParams):
                                                                          "EMA of the policy (J-BOND).")
     ema_rate: float = Field(0.02, gt=0.0, le=1.0, description="J-BOND anchor update rate per optimizer step "
                                                               "(anchor <- (1 - rate) anchor + rate policy).")
+    bon_nll_mean: Literal["global", "micro_batch"] = Field(
+        "global", description="The forward part's token mean: `global`, over the best samples' tokens of the whole "
+        "generation batch on every rank (as the token-level policy loss and VAPO's NLL; one process and several give "
+        "the same gradient); `micro_batch`, over this rank's micro-batch (TRL bnpo-like: a rank whose micro-batch "
+        "holds no best sample adds 0 and the term shrinks with the rank count).")
 
 
 class BOND(Plugin):
@@ -40,8 +46,9 @@ class BOND(Plugin):
       mean is a variance-reducing baseline) and TRL's KL term with ``args.beta = beta`` (set by the plugin; the
       reference model is TRL's);
     * forward part (``1 - beta``): ``KL(pi_BoN || pi)`` is SFT on best-of-N samples: the NLL of each group's
-      highest-reward sample (first on ties), token mean over those samples in the micro-batch, weight ``1 - beta``,
-      added through ``trl_ext_extra_loss``.
+      highest-reward sample (first on ties), token mean over those samples' tokens in the whole generation batch on
+      every rank (``bon_nll_mean: global``, the default; ``micro_batch``: over the micro-batch on each rank), weight
+      ``1 - beta``, added through ``trl_ext_extra_loss``.
 
     Conventions: ``p_le(y)`` is estimated from the group itself (the G samples act as the anchor's samples, the sample
     counts itself, ties are "<=", so ``p_le >= 1/G`` and the log is finite; an unscorable sample, NaN reward, is
@@ -82,7 +89,15 @@ class BOND(Plugin):
         n = self.params.n or group
         advantages = bond_advantages(rewards.float(), group, n, self.params.beta)
         best = best_in_group(rewards.float(), group)
-        batch.loss_extras[BEST_KEY] = best[batch.process_slice].to(batch.completion_mask.device)
+        mine = best[batch.process_slice].to(batch.completion_mask.device)
+        batch.loss_extras[BEST_KEY] = mine
+        if self.params.bon_nll_mean == "global":
+            from trl_ext_plugins.advantages.rollout import kept_loss_mask, rank_reduce
+
+            tokens = (kept_loss_mask(batch) * mine.unsqueeze(-1)).sum()
+            reduce = rank_reduce(batch)
+            tokens = tokens if reduce is None else reduce(tokens)
+            batch.loss_extras[BEST_TOKENS_KEY] = torch.full_like(mine, float(tokens))
         best_rows = best.bool() if batch.keep is None else best.bool() & batch.keep.to(best.device)
         batch.metrics["bond/best_reward"] = rewards[best_rows].nanmean().item()  # groups a filter dropped left out
         return advantages[batch.process_slice].to(batch.completion_mask.device)
@@ -92,6 +107,18 @@ class BOND(Plugin):
         if self.params.beta == 1.0:
             return None
         best = inputs.extra[BEST_KEY].to(inputs.mask.dtype).unsqueeze(1)
+        if self.params.bon_nll_mean == "global" and BEST_TOKENS_KEY in inputs.extra:  # see the param
+            import dataclasses
+
+            from trl_ext.trainers.grpo import global_token_mean
+
+            total = inputs.extra[BEST_TOKENS_KEY]
+            ctx = dataclasses.replace(inputs, num_items_in_batch=total[0] if total.numel() else 0)
+            picked = inputs.mask * best
+            inputs.metrics["bond/bon_nll"] = figures.mean(
+                torch.where(picked.bool(), -inputs.per_token_logps.detach(), torch.zeros_like(picked)).sum(),
+                picked.sum())
+            return (1.0 - self.params.beta) * global_token_mean(-inputs.per_token_logps, picked, ctx)
         nll = bon_nll(inputs.per_token_logps, inputs.mask * best)
         # the token mean over every rank's best-of-n tokens (this rank's nll is its slice)
         picked = inputs.mask * best

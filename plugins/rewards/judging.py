@@ -152,6 +152,43 @@ def mean_win_probability(preference: torch.Tensor) -> torch.Tensor:
     return p.sum(dim=1) / (g - 1)
 
 
+def split_group_error(stage, who: str, num_processes: int | None = None) -> str | None:
+    """Why a pairwise judge cannot see whole groups on every process, or ``None``.
+
+    TRL calls a reward function on each process's rows and requires only the generation batch over *all* processes to
+    hold whole groups, so 6 rows per process with ``num_generations`` 4 split a group between two processes, each
+    judging half of it (win rates from 1 opponent instead of 3). A stage whose rows per process are not a multiple of
+    ``num_generations`` is refused (one process always holds whole groups: TRL checks that itself)."""
+    import dataclasses
+
+    from accelerate import PartialState
+
+    from trl_ext.trainers import TRAINER_KINDS
+
+    processes = PartialState().num_processes if num_processes is None else num_processes
+    if processes <= 1 or stage.trainer not in TRAINER_KINDS:
+        return None
+    defaults = {f.name: f.default for f in dataclasses.fields(TRAINER_KINDS[stage.trainer].config_cls)}
+
+    def value(name: str):
+        return stage.args[name] if stage.args.get(name) is not None else defaults.get(name)
+
+    group = value("num_generations")
+    if not isinstance(group, int) or group < 2:
+        return None
+    if value("generation_batch_size") is not None:
+        rows = value("generation_batch_size") // processes
+    else:
+        rows = value("per_device_train_batch_size") * (value("steps_per_generation") or value(
+            "gradient_accumulation_steps"))
+    if rows % group == 0:
+        return None
+    return (f"plugin {who!r}: each of the {processes} processes holds {rows} rows of a generation batch, which splits "
+            f"groups of num_generations={group} between processes; the pairwise judge compares a prompt's samples on "
+            f"one process, so make the rows per process (per_device_train_batch_size x steps_per_generation) a "
+            f"multiple of {group}")
+
+
 def groups_of(prompts: Sequence[Any]) -> list[list[int]]:
     """Row indices of each group: maximal runs of consecutive rows with an equal prompt (TRL repeats each prompt
     ``num_generations`` times in a row)."""

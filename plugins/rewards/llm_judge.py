@@ -124,7 +124,8 @@ class LLMJudge(JudgeReward):
         errors = backend_errors(self.name, p)
         if p.scale_max <= p.scale_min:
             errors.append("plugin 'llm_judge': params.scale_max must exceed params.scale_min")
-        return errors
+        split = judging.split_group_error(stage, self.name) if p.mode == "pairwise" else None
+        return errors + ([split] if split else [])
 
     def template(self) -> str:
         if self.params.template is not None:

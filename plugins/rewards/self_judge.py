@@ -9,6 +9,7 @@ import torch
 from pydantic import Field, model_validator
 from trl.trainer.utils import selective_log_softmax
 
+from trl_ext import metrics as figures
 from trl_ext import Plugin, PluginParams, hookimpl, ops
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rewards import formulas, judging
@@ -243,10 +244,12 @@ class SelfJudge(Plugin):
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
+        errors = []
         if self.params.judge_loss_weight > 0 and stage.trainer != "grpo":
-            return [f"plugin {self.name!r}: judge_loss_weight > 0 (joint training of the judging) needs the grpo "
-                    f"trainer's loss seam; on {stage.trainer!r} set judge_loss_weight: 0"]
-        return None
+            errors.append(f"plugin {self.name!r}: judge_loss_weight > 0 (joint training of the judging) needs the "
+                          f"grpo trainer's loss seam; on {stage.trainer!r} set judge_loss_weight: 0")
+        split = judging.split_group_error(stage, self.name)
+        return errors + ([split] if split else []) or None
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
@@ -270,7 +273,8 @@ class SelfJudge(Plugin):
         advantages = pending["advantages"][start:stop].to(logps.device)
         normalizer = pending["tokens"] * inputs.grad_accum_steps / inputs.steps_per_generation
         loss = judge_policy_loss(logps, mask, advantages, normalizer)
-        inputs.metrics[f"{self.name}/judge_loss"] = judge_policy_loss(
-            logps.detach(), mask, advantages, float(mask.sum().clamp(min=1))).item()
-        inputs.metrics[f"{self.name}/judge_tokens"] = float(mask.sum())
+        # over every rank's verdict tokens (a plain float logged rank 0's chunk only)
+        inputs.metrics[f"{self.name}/judge_loss"] = figures.mean(
+            judge_policy_loss(logps.detach(), mask, advantages, 1.0), mask.sum())
+        inputs.metrics[f"{self.name}/judge_tokens"] = figures.Summed((mask.sum(),), float)
         return self.params.judge_loss_weight * loss

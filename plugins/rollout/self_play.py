@@ -282,13 +282,7 @@ class SelfPlay(Plugin):
         p = self.params
         questions = [self.question_text(x, c) for x, c in zip(prompts, completions, strict=True)]
         valid = [i for i, q in enumerate(questions) if self.well_formed(q)]
-        # The repetition share is over the whole batch B (R-Zero's |C_k| / B). Only well-formed problems are clustered:
-        # R-Zero's caller_penalty.py clusters a malformed proposal as "" (distance 1 to everything), a singleton.
-        B = len(questions)
-        valid_shares = repetition_penalties([questions[i] for i in valid], p.repetition_clustering,
-                                            p.repetition_threshold)
-        share_of = {i: s * len(valid) / B for i, s in zip(valid, valid_shares)}
-        shares = [p.repetition_weight * share_of.get(i, 1.0 / B) for i in range(B)]
+        shares = self.repetition_shares(questions)
         p_hat_of: dict[int, float] = {}
         if valid:
             model, tokenizer = self._partner_model()
@@ -314,6 +308,27 @@ class SelfPlay(Plugin):
             for key, value in record.items():
                 log_metric(key, value)
         return rewards
+
+    def repetition_shares(self, questions: list[str]) -> list[float]:
+        """This rank's weighted repetition shares, over the whole batch B (R-Zero's ``|C_k| / B``).
+
+        TRL calls a reward function on each rank's rows, so the questions of every rank are gathered first: clustered
+        over one rank's slice, a unique question paid R / B and duplicates on two ranks were never counted together.
+        Only well-formed problems are clustered: R-Zero's caller_penalty.py clusters a malformed proposal as ""
+        (distance 1 to everything), a singleton."""
+        from accelerate import PartialState
+        from accelerate.utils import gather_object
+
+        state = PartialState()
+        everyone = gather_object(list(questions)) if state.num_processes > 1 else list(questions)
+        offset = state.process_index * len(questions) if state.num_processes > 1 else 0  # TRL's equal slices
+        B = len(everyone)
+        valid = [i for i, q in enumerate(everyone) if self.well_formed(q)]
+        valid_shares = repetition_penalties([everyone[i] for i in valid], self.params.repetition_clustering,
+                                            self.params.repetition_threshold)
+        share_of = {i: s * len(valid) / B for i, s in zip(valid, valid_shares)}
+        return [self.params.repetition_weight * share_of.get(i, 1.0 / B)
+                for i in range(offset, offset + len(questions))]
 
     def well_formed(self, question: str) -> bool:
         """Matches ``question_pattern`` and, with verifier labels, has a verified answer."""
