@@ -322,7 +322,7 @@ def test_mixture_holds_every_part_row_once_in_a_seeded_order(catalog):
     ([{"sorce": "embedded:arithmetic"}], "parts[0].sorce: Extra inputs are not permitted"),
     ([{"source": "embedded:arithmetic", "params": {"max_operand": 0}}], "mixture parts[0] (embedded:arithmetic): "),
     ([arithmetic("+", 0)], "mixture parts[0] (embedded:arithmetic): no rows in split 'train'"),
-    ([{"source": "./no_such_rows.jsonl"}], "mixture parts[0] (./no_such_rows.jsonl): "),
+    ([{"source": "./no_such_rows.jsonl"}], "mixture parts[0].source: no such file or folder './no_such_rows.jsonl'"),
 ])
 def test_bad_mixture_is_refused_at_validation_naming_the_part(catalog, parts, message):
     import trl_ext_plugins.rollout as rollout_family

@@ -517,6 +517,8 @@ def load_split(spec, catalog, stage: StageSpec, split_role: str, host):
     import datasets
 
     source = spec.source
+    if source.startswith("~"):  # validation expands it too (a ~/data.jsonl validated, then failed here)
+        source = str(Path(source).expanduser())
     if source.startswith(EMBEDDED_PREFIX):
         build, _ = catalog.datasets[source[len(EMBEDDED_PREFIX):]]
         dataset = build(split=spec.split, **spec.params)

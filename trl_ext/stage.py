@@ -124,6 +124,7 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
             continue
         errors += [f"{where}: {m}" for m in messages or []]
     errors += kind.check(host, stage, args, where)
+    errors += trl_arg_errors(stage, kind, args, where)
     errors += model_ref_errors(stage, where, missing_relative=False)  # those are the runner's (preflight) to judge
     errors += peft_errors(stage, where)
     errors += evaluation_errors(stage, index, catalog)
@@ -142,6 +143,69 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
     if errors:
         raise RecipeError(errors) from (failures[0] if failures else None)
     return ResolvedStage(stage, index, kind, host, args)
+
+
+# The largest integer (in size) a TRL argument takes, unless recipe.ARG_RANGES bounds it (seed: 2**32 - 1): sizes,
+# steps and counts end in C integers (itertools.islice, torch, the dataloader), where a larger value fails mid-training.
+MAX_ARG_INT = 2**31 - 1
+# Dict-valued config fields that transformers also reads as a file path (a DeepSpeed / FSDP / accelerator JSON file).
+_PATH_OR_DICT_ARGS = {"deepspeed", "fsdp_config", "accelerator_config"}
+_TEMPLATE_SUFFIXES = (".jinja", ".j2")  # TRL reads a chat_template_path file only with these suffixes
+
+
+def trl_arg_errors(stage: StageSpec, kind: TrainerKind, args: dict[str, Any], where: str) -> list[str]:
+    """TRL arguments whose bad values the config classes accept and that fail only once training starts, after the
+    model loaded (or reach the network, which a run never does). ``args`` are the merged, type-checked arguments."""
+    from trl_ext.recipe import ARG_RANGES
+
+    errors = []
+    for key, value in args.items():
+        if key in ARG_RANGES and ARG_RANGES[key][2] is not None:
+            continue  # its own bound is checked with the recipe
+        numbers = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(n, int) and not isinstance(n, bool) and abs(n) > MAX_ARG_INT for n in numbers):
+            errors.append(f"{where}.args.{key}: does not fit a 32-bit integer (at most {MAX_ARG_INT} in size)")
+    # transformers parses a JSON text ("{...}") of these fields into a dict but leaves any other string, which the
+    # trainer then unpacks as keyword arguments (`dict("bogus")`: a ValueError naming no field).
+    for key in getattr(kind.config_cls, "_VALID_DICT_FIELDS", []):
+        value = args.get(key)
+        if isinstance(value, str) and key not in _PATH_OR_DICT_ARGS and not value.startswith("{"):
+            errors.append(f"{where}.args.{key}: a mapping of keyword arguments (got {value!r})")
+    num_proc = args.get("dataset_num_proc")
+    if isinstance(num_proc, int) and not isinstance(num_proc, bool) and num_proc < 1:  # datasets.map raises below 0
+        errors.append(f"{where}.args.dataset_num_proc: must be >= 1, or null for one process (got {num_proc!r})")
+    strategy = getattr(args.get("eval_strategy"), "value", args.get("eval_strategy"))
+    if kind.reads_dataset and strategy not in (None, "no") and stage.eval_dataset is None:
+        # transformers' Trainer refuses it when it is built, after the model loaded.
+        errors.append(f"{where}.args.eval_strategy: {strategy!r} evaluates on the stage's eval_dataset, and it has "
+                      "none: give `eval_dataset:` or set eval_strategy to 'no'")
+    if args.get("push_to_hub"):
+        errors.append(f"{where}.args.push_to_hub: trl-ext does not upload: a run works offline and writes only to its "
+                      "output directory; upload the stage folder yourself afterwards (e.g. `hf upload`)")
+    template = args.get("chat_template_path")
+    if isinstance(template, str):
+        errors += _chat_template_errors(template, f"{where}.args.chat_template_path")
+    return errors
+
+
+def _chat_template_errors(value: str, field: str) -> list[str]:
+    """TRL reads ``chat_template_path`` as a Jinja file (.jinja/.j2) if that file exists, else as a tokenizer to load
+    (a folder or a hub id): a missing path or any other file goes to the hub and fails after the model loaded. It
+    checks the path as given (no ``~`` expansion), so this does too."""
+    path = Path(value)
+    if path.is_file():
+        if not value.endswith(_TEMPLATE_SUFFIXES):
+            return [f"{field}: {value!r} is a file but not a Jinja template (.jinja or .j2); give a template file, a "
+                    "tokenizer folder or a hub id"]
+        return []
+    if path.is_dir():
+        if not (path / "tokenizer_config.json").is_file():
+            return [f"{field}: {value!r} is a folder without tokenizer_config.json, not a tokenizer folder"]
+        return []
+    explicit = value.startswith(("/", "./", "../", "~")) or value.endswith(_TEMPLATE_SUFFIXES)
+    if explicit or not _HUB_ID.fullmatch(value):
+        return [f"{field}: no such file or folder {value!r} (a Jinja template file, tokenizer folder or hub id)"]
+    return []  # a hub id, like a model's
 
 
 def plugin_hook_failure(plugin, hook: str, exc: BaseException, catalog, where: str) -> str:
@@ -258,6 +322,11 @@ def build_peft_config(spec):
     problems = [m.removeprefix("peft.args.") for m in check_args_fields(fields, config_cls, "peft")]
     problems += [f"{key}: must be >= 1 (got {fields[key]!r})" for key in ("r", "lora_alpha")
                  if isinstance(fields.get(key), int) and fields[key] < 1]
+    # A dropout probability (lora_dropout, and the other methods' *_dropout) outside [0, 1) fails in torch's Dropout
+    # when get_peft_model builds the adapter, after the model loaded.
+    problems += [f"{key}: must be in [0, 1) (got {value!r})" for key, value in fields.items()
+                 if key.endswith("dropout") and isinstance(value, (int, float)) and not isinstance(value, bool)
+                 and not 0 <= value < 1]
     if problems:
         raise RecipeError([f"peft.{m}" for m in problems])
     try:
@@ -315,17 +384,7 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
             errors += problems or _builder_value_errors(builder, spec, f"{where}.{field_name}.params")
             continue
         path = Path(spec.source).expanduser()
-        looks_local = spec.source.startswith((".", "/", "~")) or path.suffix.lower() in LOCAL_DATA_SUFFIXES
-        if looks_local and not path.exists():
-            errors.append(f"{where}.{field_name}.source: no such file or folder {spec.source!r}")
-            continue
-        if not path.exists() and not _HUB_ID.fullmatch(spec.source):
-            # datasets.load_dataset reads it as a hub id and fails only after the model loaded ("s3://...", "a b")
-            errors.append(f"{where}.{field_name}.source: {spec.source!r} is neither a local file or folder nor a hub "
-                          "id (name or owner/name)")
-            continue
-        field = f"{where}.{field_name}"
-        local_problems = local_split_errors(path, spec, field) or local_rows_errors(path, spec, field)
+        local_problems = local_source_errors(spec, f"{where}.{field_name}")
         if local_problems:
             errors += local_problems
             continue
@@ -342,6 +401,28 @@ def dataset_errors(stage: StageSpec, kind: TrainerKind, host: PluginHost, catalo
             errors.append(f"{where}.{field_name}.source: {spec.source!r} has columns {sorted(columns)}; the "
                           f"{stage.trainer} trainer reads {wanted}{_column_hint(columns, kind.columns)}")
     return errors
+
+
+def local_source_errors(spec, field: str) -> list[str]:
+    """Problems of a dataset ``spec`` that is not embedded: a local path that does not exist, a source that is neither
+    a local path nor a hub id, a folder that is not a saved dataset, a split or params a local file ignores, a file
+    whose rows datasets cannot read. Messages start with ``field`` (``stages[0].dataset``, ``mixture parts[1]``)."""
+    path = Path(spec.source).expanduser()
+    looks_local = spec.source.startswith((".", "/", "~")) or path.suffix.lower() in LOCAL_DATA_SUFFIXES
+    if looks_local and not path.exists():
+        return [f"{field}.source: no such file or folder {spec.source!r}"]
+    if not path.exists():
+        if _HUB_ID.fullmatch(spec.source):
+            return []  # a hub dataset, checked when it is loaded
+        # datasets.load_dataset reads it as a hub id and fails only after the model loaded ("s3://...", "a b")
+        return [f"{field}.source: {spec.source!r} is neither a local file or folder nor a hub id (name or owner/name)"]
+    if path.is_dir() and not any((path / name).is_file() for name in ("dataset_dict.json", "dataset_info.json")):
+        # datasets would guess a dataset from the folder's files by its own naming rules (splits from file names,
+        # the most common suffix), fail on any bad file only after the model loaded, and cache it under
+        # ~/.cache/huggingface (outside the run): only the documented local forms are read.
+        return [f"{field}.source: {spec.source!r} is a folder but not a saved dataset (no dataset_dict.json or "
+                "dataset_info.json); give one .jsonl/.json/.csv/.parquet file, or a folder written by save_to_disk"]
+    return local_split_errors(path, spec, field) or local_rows_errors(path, spec, field)
 
 
 def _column_hint(columns: set[str], wanted: tuple[frozenset[str], ...]) -> str:
@@ -406,11 +487,25 @@ LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 def local_rows_errors(path: Path, spec, where: str) -> list[str]:
     """A local JSON-lines file has at least one row and every row is a JSON object; a JSON file is one valid document
-    (a list of objects, or an object as datasets reads it), else JSON lines. datasets would fail on a torn or
-    non-object line, or an empty file, only while the stage starts, after the model was materialized."""
+    (a list of objects, or an object as datasets reads it), else JSON lines; a CSV file parses as datasets parses it
+    and has a row; a Parquet file has a readable footer and a row. datasets would fail on a torn or non-object line,
+    a malformed CSV row, or an empty file, only while the stage starts, after the model was materialized."""
     suffix = path.suffix.lower()
-    if not path.is_file() or suffix not in (".jsonl", ".json"):
+    if not path.is_file():
         return []
+    if path.suffix not in LOCAL_DATA_SUFFIXES:  # the runner (case-sensitive) refuses it only when the stage starts
+        return [f"{where}.source: {spec.source!r}: unsupported file type {path.suffix or '(none)'} (use .json, "
+                ".jsonl, .csv or .parquet)"]
+    if suffix == ".csv":
+        return _csv_rows_errors(path, spec, where)
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            return [f"{where}.source: cannot read {spec.source!r} as Parquet: {exc}"]
+        return [] if rows else [f"{where}.source: {spec.source!r} holds no rows"]
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -439,6 +534,39 @@ def local_rows_errors(path: Path, spec, where: str) -> list[str]:
             return [f"{where}.source: {spec.source!r} line {number}: not a JSON object"]
         rows += 1
     return [] if rows else [f"{where}.source: {spec.source!r} holds no rows"]
+
+
+def _csv_rows_errors(path: Path, spec, where: str) -> list[str]:
+    """Parse a CSV file with the pandas options datasets' csv builder uses, in its chunks, so a row datasets cannot
+    read (an unterminated quote, too many fields) or a file with a header only is found here."""
+    import pandas as pd
+    from datasets.packaged_modules.csv.csv import CsvConfig
+
+    rows = 0
+    try:
+        for chunk in pd.read_csv(path, iterator=True, **CsvConfig().pd_read_csv_kwargs):
+            rows += len(chunk)
+    except pd.errors.EmptyDataError:
+        pass  # no header either: no rows
+    except (ValueError, UnicodeDecodeError, OSError) as exc:  # pandas' ParserError is a ValueError
+        text = " ".join(str(exc).split())
+        return [f"{where}.source: {spec.source!r}: not valid CSV ({text})"]
+    return [] if rows else [f"{where}.source: {spec.source!r} holds no rows"]
+
+
+def load_local_file(path: str | Path):
+    """A local .jsonl/.json/.csv/.parquet file as a datasets.Dataset held in memory, read outside a run (validation).
+
+    datasets writes its Arrow cache to ~/.cache/huggingface/datasets unless told otherwise, and a validation has no
+    output directory to put it in: the cache goes to a temporary folder, removed once the rows are in memory."""
+    import datasets
+
+    builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(Path(path).suffix)
+    if builder is None:
+        raise ValueError(f"{str(path)!r}: unsupported file type {Path(path).suffix or '(none)'} (use .json, .jsonl, "
+                         ".csv or .parquet)")
+    with tempfile.TemporaryDirectory(prefix="trl-ext-datasets-") as tmp:
+        return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=tmp, keep_in_memory=True)
 
 
 def local_dataset_columns(path: Path) -> set[str] | None:

@@ -106,10 +106,12 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
     ``split`` takes the mixture's, so ``split: test`` of the mixture is every part's held-out split. Its ``limit``
     sets how many of its rows the mixture takes. Columns are the union of the parts' columns; a row lacks (``None``)
     those its part does not have, as in ``multi_env``'s mixture."""
+    from datasets.exceptions import DatasetGenerationError
     from pydantic import ValidationError
 
     from trl_ext.errors import validation_message
     from trl_ext.recipe import EMBEDDED_PREFIX, DatasetSpec, did_you_mean
+    from trl_ext.stage import local_source_errors
     from trl_ext_plugins.rollout.multi_env import _catalog, _load
 
     if not parts or not isinstance(parts, list):
@@ -129,10 +131,18 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
         if spec.source.startswith(EMBEDDED_PREFIX) and name not in catalog.datasets:
             raise ValueError(f"mixture parts[{index}].source: no embedded dataset {name!r}."
                              f"{did_you_mean(name, sorted(catalog.datasets))}")
+        if not spec.source.startswith(EMBEDDED_PREFIX):
+            # The checks of a stage's own local dataset (a torn line, a malformed CSV row, no rows, a plain folder),
+            # naming the part and the file's line, rather than datasets' DatasetGenerationError naming neither.
+            problems = local_source_errors(spec, f"mixture parts[{index}]")
+            if problems:
+                raise ValueError("; ".join(problems))
         try:
             data = _load(spec, catalog, None)
         except (ValueError, TypeError, KeyError, OSError) as exc:  # OSError: a missing file, a hub id offline
             raise ValueError(f"mixture parts[{index}] ({spec.source}): {exc}") from None
+        except DatasetGenerationError as exc:  # a file datasets cannot read: its cause says why
+            raise ValueError(f"mixture parts[{index}] ({spec.source}): {exc.__cause__ or exc}") from None
         if len(data) == 0:
             raise ValueError(f"mixture parts[{index}] ({spec.source}): no rows in split {spec.split!r}")
         loaded.append(data)

@@ -592,6 +592,12 @@ def _loadable_offline(spec: DatasetSpec) -> bool:
 
 
 def _load(spec: DatasetSpec, catalog, stage):
-    from trl_ext.runner import load_split
+    from trl_ext.runner import current_run, load_split
+    from trl_ext.stage import load_local_file
 
+    if current_run() is None and Path(spec.source).is_file():
+        # Outside a run (validation, and `train` before its run starts) load_split has no output directory for
+        # datasets' Arrow cache, which would go to ~/.cache/huggingface: read the file into memory instead.
+        data = load_local_file(spec.source)
+        return data.select(range(min(spec.limit, len(data)))) if spec.limit is not None else data
     return load_split(spec, catalog, stage, "train", None)
