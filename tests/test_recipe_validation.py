@@ -20,16 +20,7 @@ from trl_ext.hookspecs import hookimpl
 BASE = {"trainer": "sft", "model": "embedded:tiny-qwen2", "dataset": "embedded:arithmetic", "args": {"max_steps": 1}}
 
 
-@pytest.fixture(autouse=True)
-def no_model_loads(monkeypatch):
-    """Validation must never load a model: make every loader fail loudly."""
-    import transformers
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded during validation")
-
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr("trl_ext.embedded.models.materialize_model", refuse)
+pytestmark = pytest.mark.usefixtures("no_model_loads")  # validation must never load a model (conftest.py)
 
 
 def write(tmp_path, data, name="recipe.yaml"):

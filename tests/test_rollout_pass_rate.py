@@ -37,21 +37,27 @@ def test_pass_rate_is_the_share_of_solved_samples():
     assert zero_variance_fraction([[1, 1], [0, 1], [0, 0], [1, 0]]) == 0.5
 
 
+def _validation_error(catalog, register_plugin, params) -> RecipeError:
+    """The error validating a grpo stage with pass_rate_filter(``params``) and exact_match."""
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    register_plugin(PassRateFilter)
+    register_plugin(ExactMatch)
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"name": "pass_rate_filter", "params": params}, "exact_match"])
+    with pytest.raises(RecipeError) as err:
+        resolve_stage(stage, 0, catalog)
+    return err.value
+
+
 @pytest.mark.parametrize("params, message", [
     ({"lower": 0.8, "upper": 0.2}, "lower (0.8) must not exceed upper (0.2)"),
     ({"lower": 0.5, "upper": 0.5}, "keeps no prompt"),
     ({"k": 0}, "k"),
 ])
 def test_bad_bounds_are_refused_at_validation(trl_ext_catalog, register_plugin, params, message):
-    register_plugin(PassRateFilter)
-    from trl_ext_plugins.rewards.exact_match import ExactMatch
-
-    register_plugin(ExactMatch)
-    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
-                      plugins=[{"name": "pass_rate_filter", "params": params}, "exact_match"])
-    with pytest.raises(RecipeError) as err:
-        resolve_stage(stage, 0, trl_ext_catalog)
-    text = str(err.value)
+    err = _validation_error(trl_ext_catalog, register_plugin, params)
+    text = str(err)
     assert "stages[0].plugins[0].params" in text and "pass_rate_filter" in text and message in text
 
 
@@ -65,15 +71,7 @@ def test_bad_bounds_are_refused_at_validation(trl_ext_catalog, register_plugin, 
 ])
 def test_bad_reward_selection_is_refused_at_validation(trl_ext_catalog, register_plugin, params, message):
     """A bad ``reward``/``reward_params`` passed validation and failed only after the profiling model had loaded."""
-    from trl_ext_plugins.rewards.exact_match import ExactMatch
-
-    register_plugin(PassRateFilter)
-    register_plugin(ExactMatch)
-    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
-                      plugins=[{"name": "pass_rate_filter", "params": params}, "exact_match"])
-    with pytest.raises(RecipeError) as err:
-        resolve_stage(stage, 0, trl_ext_catalog)
-    lines = [m for m in err.value.messages if "pass_rate_filter" in m]
+    lines = [m for m in _validation_error(trl_ext_catalog, register_plugin, params).messages if "pass_rate_filter" in m]
     assert len(lines) == 1 and lines[0].startswith("stages[0]: plugin 'pass_rate_filter': ") and message in lines[0]
 
 

@@ -13,16 +13,7 @@ BASE = {"trainer": "sft", "model": "embedded:tiny-qwen2", "plugins": ["sft"],
         "args": {"max_steps": 1, "per_device_train_batch_size": 2, "max_length": 32}}
 
 
-@pytest.fixture(autouse=True)
-def no_model_loads(monkeypatch):
-    """Validation must never load a model: make every loader fail loudly."""
-    import transformers
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded during validation")
-
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr("trl_ext.embedded.models.materialize_model", refuse)
+pytestmark = pytest.mark.usefixtures("no_model_loads")  # validation must never load a model (conftest.py)
 
 
 @pytest.fixture
