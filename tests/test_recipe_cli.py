@@ -210,6 +210,12 @@ def test_yaml_values_too_large_to_read_are_one_line(tmp_path, capsys):
     assert code == 2 and "no such model folder" in err and "ValueError" not in err
 
 
+def test_an_empty_output_dir_option_is_refused(tmp_path, capsys):
+    """--output-dir "" fell back to the recipe's own output_dir without a word."""
+    code, _, err = run_cli(capsys, "validate", write(tmp_path, BASE), "--output-dir", "")
+    assert code == 2 and "--output-dir: empty" in err
+
+
 def test_plugins_list_and_show(capsys):
     code, out, _ = run_cli(capsys, "plugins", "list", "--json")
     rows = {row["name"]: row for row in json.loads(out)}

@@ -77,6 +77,8 @@ def _catalog(ns):
 def _output_dir(ns, recipe) -> str:
     from trl_ext.recipe import default_output_dir
 
+    if ns.output_dir is not None and not ns.output_dir.strip():  # "" fell back to the recipe's folder, silently
+        raise RecipeError("--output-dir: empty; give a folder, or leave the option out for the recipe's output_dir")
     return ns.output_dir or recipe.output_dir or str(default_output_dir(ns.recipe))
 
 
