@@ -656,3 +656,16 @@ def test_pairwise_judges_refuse_groups_split_between_processes():
                                      num_processes=2) is None  # 4 rows per process per generation batch
     assert judging.split_group_error(stage(per_device_train_batch_size=8, generation_batch_size=12), "llm_judge",
                                      num_processes=2) is not None  # 6 rows per process
+
+
+def test_judge_counts_are_batch_counts_after_trls_average_over_processes():
+    """TRL's log_metric averages a value over the processes, so a count logged as is read as the count per process
+    (2 unparsable verdicts on each of 2 processes logged as 2, not 4). Counts go out times the process count."""
+    stats = judging.JudgeStats("llm_judge")
+    stats.start()
+    for text, parsed in (("x", None), ("y", None), ("Verdict: A", 1.0), (None, None)):
+        stats.add(text, parsed)
+    one, two = stats.metrics(1), stats.metrics(2)
+    assert (one["llm_judge/unparsable"], one["llm_judge/request_errors"]) == (3.0, 1.0)
+    trl_mean = (two["llm_judge/unparsable"] + two["llm_judge/unparsable"]) / 2  # two processes with the same counts
+    assert trl_mean == 6.0 and two["llm_judge/unparsable_frac"] == one["llm_judge/unparsable_frac"] == 0.75

@@ -259,17 +259,25 @@ class JudgeStats:
             self.errors += 1
             self._call[2] += 1
 
-    def metrics(self) -> dict[str, float]:
-        """This call's figures (fraction unparsable, count unparsable, failed requests) and the running total."""
+    def metrics(self, processes: int = 1) -> dict[str, float]:
+        """This call's figures (fraction unparsable, count unparsable, failed requests) and the running total.
+
+        TRL averages a ``log_metric`` value over the processes (every process scores its own rows), so each count is
+        given times ``processes``: their mean is then the sum over processes, the batch's count (it read the count
+        divided by the process count). The fraction is a mean already (equal rows per process)."""
         n, bad, err = self._call
-        return {f"{self.prefix}/unparsable_frac": bad / n if n else 0.0, f"{self.prefix}/unparsable": float(bad),
-                f"{self.prefix}/request_errors": float(err), f"{self.prefix}/unparsable_total": float(self.unparsable)}
+        return {f"{self.prefix}/unparsable_frac": bad / n if n else 0.0,
+                f"{self.prefix}/unparsable": float(bad * processes),
+                f"{self.prefix}/request_errors": float(err * processes),
+                f"{self.prefix}/unparsable_total": float(self.unparsable * processes)}
 
     def log(self, log_metric=None, extra: dict[str, float] | None = None) -> None:
         """Log through TRL's ``log_metric`` reward kwarg (averaged over each logging step); no-op without it."""
         if log_metric is None:
             return
-        for name, value in {**self.metrics(), **(extra or {})}.items():
+        from accelerate import PartialState
+
+        for name, value in {**self.metrics(PartialState().num_processes), **(extra or {})}.items():
             log_metric(name, value)
 
 
