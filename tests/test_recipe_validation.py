@@ -301,10 +301,10 @@ def _local_dataset(tmp_path, rows, name="data.jsonl"):
         ({"dataset": {"source": "embedded:arithmetic", "params": {"max_operand": 0}}},
          "stages[0].dataset.params: the 'train' split these params build holds no rows"),
         ({"dataset": {"source": "embedded:arithmetic", "params": {"size": 0}}},
-         "stages[0].dataset.params: size must be at least 1 (got 0)"),
+         "stages[0].dataset.params: the 'train' split these params build holds no rows"),
         # a negative size kept problems[:-5]: every row but the last five, silently
         ({"dataset": {"source": "embedded:arithmetic", "params": {"size": -5}}},
-         "stages[0].dataset.params: size must be at least 1 (got -5)"),
+         "stages[0].dataset.params: size must not be negative (got -5)"),
         # "++" listed each problem twice: 30 of the 40 held-out problems of max_operand 10 were also in train.
         ({"dataset": {"source": "embedded:arithmetic", "params": {"operations": "++", "max_operand": 10}}},
          "stages[0].dataset.params: operations must name each operation once, got '++'"),

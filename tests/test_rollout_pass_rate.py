@@ -64,7 +64,6 @@ def test_bad_bounds_are_refused_at_validation(trl_ext_catalog, register_plugin, 
 @pytest.mark.parametrize("params, message", [
     ({"reward": "exact_matchh"}, "params.reward: unknown plugin 'exact_matchh'. Did you mean: exact_match?"),
     ({"reward": "pass_rate_filter"}, "params.reward: plugin 'pass_rate_filter' is not a reward plugin"),
-    ({"reward": "multi_env"}, "params.reward: plugin 'multi_env' is not a reward plugin"),
     ({"reward": "exact_match", "reward_params": {"nope": 1}},
      "params.reward_params.nope: Extra inputs are not permitted (plugin 'exact_match')"),
     ({"reward_params": {"weight": "x"}}, "params.reward_params.weight: "),
@@ -73,6 +72,26 @@ def test_bad_reward_selection_is_refused_at_validation(trl_ext_catalog, register
     """A bad ``reward``/``reward_params`` passed validation and failed only after the profiling model had loaded."""
     lines = [m for m in _validation_error(trl_ext_catalog, register_plugin, params).messages if "pass_rate_filter" in m]
     assert len(lines) == 1 and lines[0].startswith("stages[0]: plugin 'pass_rate_filter': ") and message in lines[0]
+
+
+def test_a_reward_plugin_of_the_recipes_catalog_is_accepted(trl_ext_catalog, register_plugin):
+    """The reward selection is checked against the catalog the recipe is validated with: checked against the
+    installed plugins only, a plugin registered by the caller (a test, an embedding program) was 'unknown'."""
+
+    class OwnReward(Plugin):
+        name = "own_reward"
+        family = "reward"
+        trainers = frozenset({"grpo"})
+
+        @hookimpl
+        def trl_ext_reward_functions(self, stage):
+            return [RewardFunction(self.name, lambda completions, **kw: [0.0] * len(completions))]
+
+    register_plugin(PassRateFilter)
+    register_plugin(OwnReward)
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"name": "pass_rate_filter", "params": {"reward": "own_reward"}}, "own_reward"])
+    assert resolve_stage(stage, 0, trl_ext_catalog).host.names() == ["pass_rate_filter", "own_reward"]
 
 
 def test_the_reward_is_built_before_the_model_loads(monkeypatch, tmp_path):

@@ -22,6 +22,9 @@ from __future__ import annotations
 import difflib
 import os
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable
@@ -30,6 +33,25 @@ import pluggy
 from pydantic import BaseModel
 
 from trl_ext import hookspecs
+
+# The catalog a stage is being validated against, for plugins that resolve other plugins by name inside their own
+# checks (multi_env's and pass_rate_filter's reward selections): Catalog.discover() would miss plugins the caller
+# registered itself (tests, an embedding program) and include ones `-p no:NAME` left out.
+_VALIDATING: ContextVar[Catalog | None] = ContextVar("trl_ext_validating_catalog", default=None)
+
+
+@contextmanager
+def validating_with(catalog: Catalog) -> Iterator[None]:
+    token = _VALIDATING.set(catalog)
+    try:
+        yield
+    finally:
+        _VALIDATING.reset(token)
+
+
+def validating_catalog() -> Catalog | None:
+    """The catalog of the stage validation in progress (:func:`validating_with`), else ``None``."""
+    return _VALIDATING.get()
 from trl_ext.errors import PluginConflictError, UnknownPluginError
 from trl_ext.plugin import SLOT_OF_HOOK, Need, Plugin, Slot
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trl_ext.catalog import validating_with
 from trl_ext.errors import RecipeError
 from trl_ext.host import PluginHost
 from trl_ext.plugin import Need
@@ -117,7 +118,8 @@ def resolve_stage(stage: StageSpec, index: int, catalog, seed: int | None = None
     # the wrong type they would fail on it rather than report, so they run once the args are right.
     for impl in reversed(host.pm.hook.trl_ext_validate_stage.get_hookimpls()) if not arg_errors else []:
         try:
-            messages = impl.function(stage=stage, plugins=plugins)
+            with validating_with(catalog):
+                messages = impl.function(stage=stage, plugins=plugins)
         except Exception as exc:
             failures.append(exc)
             errors.append(plugin_hook_failure(impl.plugin, "trl_ext_validate_stage", exc, catalog, where))

@@ -577,11 +577,14 @@ def _per_row(value: Any, n: int) -> bool:
 
 
 def _catalog():
-    from trl_ext.catalog import Catalog
+    """The catalog of the run, or of the validation, in progress (the one the recipe is resolved against)."""
+    from trl_ext.catalog import Catalog, validating_catalog
     from trl_ext.runner import current_run
 
     run = current_run()
-    return run.catalog if run is not None else Catalog.discover()
+    if run is not None:
+        return run.catalog
+    return validating_catalog() or Catalog.discover()
 
 
 def _loadable_offline(spec: DatasetSpec) -> bool:

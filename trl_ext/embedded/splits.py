@@ -37,8 +37,8 @@ def first_problems(problems: list, size: int | None, split: str) -> list:
     how many it holds."""
     if size is None:
         return problems
-    if size < 1:  # problems[:-5] would silently drop the last five instead
-        raise ValueError(f"size must be at least 1 (got {size})")
+    if size < 0:  # problems[:-5] would silently drop the last five instead
+        raise ValueError(f"size must not be negative (got {size})")
     if size > len(problems):
         raise ValueError(f"size={size} exceeds the {len(problems)} problems of the {split} split")
     return problems[:size]
