@@ -51,6 +51,14 @@ def kept_loss_mask(batch: RolloutBatch) -> torch.Tensor:
     return kept_token_mask(batch.loss_mask, keep)
 
 
+def global_token_count(batch: RolloutBatch, rows: torch.Tensor) -> float:
+    """Loss tokens of this rank's ``rows`` (a ``(B,)`` 0/1 selection; filtered rows left out) summed over every rank:
+    the denominator of a term that is a token mean over the whole generation batch (VAPO's and BOND's NLL)."""
+    tokens = (kept_loss_mask(batch) * rows.to(batch.loss_mask.dtype).unsqueeze(-1)).sum()
+    reduce = rank_reduce(batch)
+    return float(tokens if reduce is None else reduce(tokens))
+
+
 def gathered(values: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
     """This rank's ``(B, ...)`` rows gathered from every rank into the ``(N, ...)`` layout of the rewards."""
     trainer = batch.trainer

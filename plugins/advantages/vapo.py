@@ -12,7 +12,7 @@ from trl_ext import hookimpl, ops
 from trl_ext import metrics as figures
 from trl_ext.trainers.grpo import global_token_mean
 from trl_ext_plugins.advantages.ppo import PPO, PPOParams
-from trl_ext_plugins.advantages.rollout import kept_loss_mask, kept_rewards, local, rank_reduce
+from trl_ext_plugins.advantages.rollout import global_token_count, kept_rewards, local
 
 POSITIVE = "vapo_positive"  # (B,) 1.0 for correct samples (reward > positive_threshold)
 POSITIVE_TOKENS = "vapo_positive_tokens"  # (B,) the global count of completion tokens of correct samples
@@ -78,11 +78,8 @@ class VAPO(PPO):
             kept = kept_rewards(rewards, batch)
             positive = torch.nan_to_num(kept, nan=float("-inf")) > self.params.positive_threshold
             mine = local(positive, batch).to(torch.float32)
-            tokens = (kept_loss_mask(batch) * mine.unsqueeze(-1)).sum()
-            reduce = rank_reduce(batch)
-            tokens = tokens if reduce is None else reduce(tokens)
             batch.loss_extras[POSITIVE] = mine
-            batch.loss_extras[POSITIVE_TOKENS] = torch.full_like(mine, tokens.item())
+            batch.loss_extras[POSITIVE_TOKENS] = torch.full_like(mine, global_token_count(batch, mine))
             rows = positive.numel() if batch.keep is None else batch.keep.sum().clamp(min=1)  # kept rows
             batch.metrics["vapo/positive_fraction"] = (positive.float().sum() / rows).item()
         return advantages

@@ -92,12 +92,9 @@ class BOND(Plugin):
         mine = best[batch.process_slice].to(batch.completion_mask.device)
         batch.loss_extras[BEST_KEY] = mine
         if self.params.bon_nll_mean == "global":
-            from trl_ext_plugins.advantages.rollout import kept_loss_mask, rank_reduce
+            from trl_ext_plugins.advantages.rollout import global_token_count
 
-            tokens = (kept_loss_mask(batch) * mine.unsqueeze(-1)).sum()
-            reduce = rank_reduce(batch)
-            tokens = tokens if reduce is None else reduce(tokens)
-            batch.loss_extras[BEST_TOKENS_KEY] = torch.full_like(mine, float(tokens))
+            batch.loss_extras[BEST_TOKENS_KEY] = torch.full_like(mine, global_token_count(batch, mine))
         best_rows = best.bool() if batch.keep is None else best.bool() & batch.keep.to(best.device)
         batch.metrics["bond/best_reward"] = rewards[best_rows].nanmean().item()  # groups a filter dropped left out
         return advantages[batch.process_slice].to(batch.completion_mask.device)

@@ -159,19 +159,16 @@ def split_group_error(stage, who: str, num_processes: int | None = None) -> str 
     hold whole groups, so 6 rows per process with ``num_generations`` 4 split a group between two processes, each
     judging half of it (win rates from 1 opponent instead of 3). A stage whose rows per process are not a multiple of
     ``num_generations`` is refused (one process always holds whole groups: TRL checks that itself)."""
-    import dataclasses
-
     from accelerate import PartialState
 
-    from trl_ext.trainers import TRAINER_KINDS
+    from trl_ext.trainers import TRAINER_KINDS, stage_arg
 
     processes = PartialState().num_processes if num_processes is None else num_processes
     if processes <= 1 or stage.trainer not in TRAINER_KINDS:
         return None
-    defaults = {f.name: f.default for f in dataclasses.fields(TRAINER_KINDS[stage.trainer].config_cls)}
 
     def value(name: str):
-        return stage.args[name] if stage.args.get(name) is not None else defaults.get(name)
+        return stage_arg(stage.args, stage.trainer, name)
 
     group = value("num_generations")
     if not isinstance(group, int) or group < 2:

@@ -112,12 +112,12 @@ def dataset_mixture(split: str = "train", parts: list[dict] | None = None, seed:
     from trl_ext.errors import validation_message
     from trl_ext.recipe import EMBEDDED_PREFIX, DatasetSpec, did_you_mean
     from trl_ext.stage import local_source_errors
-    from trl_ext_plugins.rollout.multi_env import _catalog, _load
+    from trl_ext_plugins.rollout.multi_env import _load, current_catalog
 
     if not parts or not isinstance(parts, list):
         raise ValueError(f"mixture: give its datasets as a list, parts: [{{source: ..., params: ...}}, ...]; "
                          f"got {parts!r}")
-    catalog, loaded = _catalog(), []
+    catalog, loaded = current_catalog(), []
     for index, part in enumerate(parts):
         if not isinstance(part, dict):
             raise ValueError(f"mixture parts[{index}]: a dataset mapping (source, split, params, limit), got {part!r}")

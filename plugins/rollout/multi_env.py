@@ -102,22 +102,15 @@ class MultiEnvParams(PluginParams):
 
 
 def generation_batch_prompts(args: dict[str, Any], num_processes: int, trainer: str = "grpo") -> int:
-    """Prompts per TRL generation batch from a stage's args, with the trainer config's own defaults where unset
-    (GRPOConfig draws 8 generations per prompt, RLOOConfig 2)."""
-    import dataclasses
+    """Prompts per TRL generation batch from a stage's args, with the trainer config's own defaults where unset."""
+    from trl_ext.trainers import stage_arg
 
-    from trl_ext.trainers import TRAINER_KINDS
-
-    defaults = {f.name: f.default for f in dataclasses.fields(TRAINER_KINDS[trainer].config_cls)}
-
-    def value(name: str):
-        return args[name] if args.get(name) is not None else defaults[name]
-
-    batch = value("generation_batch_size")
+    batch = stage_arg(args, trainer, "generation_batch_size")
     if batch is None:
-        steps = value("steps_per_generation") or value("gradient_accumulation_steps")
-        batch = value("per_device_train_batch_size") * num_processes * steps
-    return max(1, batch // value("num_generations"))
+        steps = stage_arg(args, trainer, "steps_per_generation") or stage_arg(args, trainer,
+                                                                               "gradient_accumulation_steps")
+        batch = stage_arg(args, trainer, "per_device_train_batch_size") * num_processes * steps
+    return max(1, batch // stage_arg(args, trainer, "num_generations"))
 
 
 class MultiEnv(Plugin):
@@ -212,13 +205,13 @@ class MultiEnv(Plugin):
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
-        catalog = _catalog()
+        catalog = current_catalog()
         errors = self._tool_errors(stage)
         for i, env in enumerate(self.params.environments):
             where = f"plugin {self.name!r}: environments[{i}] ({env.name!r})"
             for j, selection in enumerate(env.rewards):
                 try:
-                    self._reward_plugin(catalog, selection)
+                    reward_plugin(catalog, selection)
                 except Exception as exc:  # unknown plugin, bad params, not a reward plugin
                     errors.append(f"{where}.rewards[{j}]: {exc}")
             for field_name in ("dataset", "eval_dataset"):
@@ -265,20 +258,6 @@ class MultiEnv(Plugin):
         return (f"plugin {self.name!r}: environments[{first}] ({self.params.environments[first].name!r}).environment: "
                 f"{what} has no chat template that renders and parses tool calls (use e.g. embedded:tiny-qwen3-tools)")
 
-    @staticmethod
-    def _reward_plugin(catalog, selection: PluginSelection):
-        from pydantic import ValidationError
-
-        cls = catalog.resolve(selection.name).cls
-        if "trl_ext_reward_functions" not in cls.implemented_hooks() or cls is MultiEnv:
-            raise ValueError(f"plugin {selection.name!r} is not a reward plugin")
-        try:
-            return cls(cls.Params.model_validate(selection.params))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(map(str, first["loc"]))
-            raise ValueError(f"params.{where}: {validation_message(first)} (plugin {cls.name!r})") from None
-
     @hookimpl
     def trl_ext_configure_args(self, trainer, args):
         return {"shuffle_dataset": False}
@@ -292,7 +271,7 @@ class MultiEnv(Plugin):
         from accelerate import PartialState
         from datasets import Dataset
 
-        catalog = _catalog()
+        catalog = current_catalog()
         sources = [dataset if env.dataset is None else _load(env.dataset, catalog, stage)
                    for env in self.params.environments]
         for env, data in zip(self.params.environments, sources, strict=True):
@@ -346,10 +325,10 @@ class MultiEnv(Plugin):
         from trl_ext.host import PluginHost
         from trl_ext.rewards import collect_reward_functions
 
-        catalog = _catalog()
+        catalog = current_catalog()
         functions = []
         for env in self.params.environments:
-            plugins = [self._reward_plugin(catalog, s) for s in env.rewards]
+            plugins = [reward_plugin(catalog, s) for s in env.rewards]
             for fn in collect_reward_functions(PluginHost(plugins), stage):
                 functions.append(RewardFunction(f"{env.name}/{fn.name}", self._routed(env.name, fn.fn), fn.weight))
         return functions
@@ -467,7 +446,7 @@ class MultiEnv(Plugin):
         from trl_ext.host import PluginHost
         from trl_ext.rewards import collect_reward_functions, weighted_reward
 
-        catalog = _catalog()
+        catalog = current_catalog()
         reward_kwargs = training_reward_kwargs(trainer)  # TRL's keywords, as in training
         tokenizer = trainer.processing_class
         out = {}
@@ -477,7 +456,7 @@ class MultiEnv(Plugin):
             from trl_ext.recipe import StageSpec
 
             probe = StageSpec(trainer="grpo", model="-", dataset=env.eval_dataset)
-            plugins = [self._reward_plugin(catalog, s) for s in env.rewards]
+            plugins = [reward_plugin(catalog, s) for s in env.rewards]
             score = weighted_reward(collect_reward_functions(PluginHost(plugins), probe))
             data = _load(env.eval_dataset, catalog, probe)
             if self.params.uses_tools:
@@ -576,7 +555,24 @@ def _per_row(value: Any, n: int) -> bool:
             and len(value) == n)
 
 
-def _catalog():
+def reward_plugin(catalog, selection: PluginSelection):
+    """The reward plugin a selection names, built with its params; ``ValueError`` (one line: the plugin, or
+    ``params.<field>``) for an unknown plugin, one that is no reward plugin, or bad params. Used by every plugin that
+    takes a reward selection as a parameter (multi_env's environments, pass_rate_filter)."""
+    from pydantic import ValidationError
+
+    cls = catalog.resolve(selection.name).cls
+    if "trl_ext_reward_functions" not in cls.implemented_hooks() or cls is MultiEnv:
+        raise ValueError(f"plugin {selection.name!r} is not a reward plugin")
+    try:
+        return cls(cls.Params.model_validate(selection.params))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise ValueError(f"params.{where}: {validation_message(first)} (plugin {cls.name!r})") from None
+
+
+def current_catalog():
     """The catalog of the run, or of the validation, in progress (the one the recipe is resolved against)."""
     from trl_ext.catalog import Catalog, validating_catalog
     from trl_ext.runner import current_run

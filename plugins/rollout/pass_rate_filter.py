@@ -126,11 +126,10 @@ class PassRateFilter(Plugin):
         known plugin, a reward plugin, valid params): a bad selection otherwise failed only once the model had
         loaded."""
         from trl_ext.recipe import PluginSelection
-        from trl_ext_plugins.rollout.multi_env import MultiEnv, _catalog
+        from trl_ext_plugins.rollout.multi_env import current_catalog, reward_plugin
 
         try:
-            MultiEnv._reward_plugin(_catalog(), PluginSelection(name=self.params.reward,
-                                                                 params=self.params.reward_params))
+            reward_plugin(current_catalog(), PluginSelection(name=self.params.reward, params=self.params.reward_params))
         except Exception as exc:  # unknown plugin, not a reward plugin, bad params
             message = str(exc).removeprefix("plugins: ")  # the catalog's own field name, not this plugin's
             if message.startswith("params."):  # a bad parameter, named relative to the reward plugin

@@ -93,12 +93,12 @@ class PivotRL(Plugin):
 
     @hookimpl
     def trl_ext_validate_stage(self, stage, plugins):
-        from trl_ext_plugins.rollout.multi_env import _catalog, _load, _loadable_offline
+        from trl_ext_plugins.rollout.multi_env import _load, _loadable_offline, current_catalog
 
         if not _loadable_offline(stage.dataset):
             return None
         try:
-            data = _load(stage.dataset, _catalog(), stage)
+            data = _load(stage.dataset, current_catalog(), stage)
         except Exception as exc:
             return [f"plugin {self.name!r}: dataset {stage.dataset.source!r} cannot be loaded: {exc}"]
         if self.params.messages_column not in data.column_names:

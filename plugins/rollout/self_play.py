@@ -421,9 +421,9 @@ def _squeezed(text: str) -> str:
 def held_out_problems(stage) -> set[str]:
     """The prompts of ``stage``'s held-out evaluation, whitespace removed (problems the solver must not train on)."""
     from trl_ext_plugins.preference.generation import completion_text
-    from trl_ext_plugins.rollout.multi_env import _catalog, _load
+    from trl_ext_plugins.rollout.multi_env import _load, current_catalog
 
-    prompts = _load(stage.evaluation.dataset, _catalog(), stage)["prompt"]
+    prompts = _load(stage.evaluation.dataset, current_catalog(), stage)["prompt"]
     return {_squeezed(completion_text(prompt)) for prompt in prompts}
 
 

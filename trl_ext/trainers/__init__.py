@@ -216,3 +216,14 @@ TRAINER_KINDS: dict[str, TrainerKind] = {
                     columns=(frozenset({"prompt", "completion"}), frozenset({"prompt_ids", "completion_ids"}))),
     ]
 }
+
+
+def stage_arg(args: dict[str, Any], trainer: str, name: str) -> Any:
+    """A TRL config field as a stage will run with it: the recipe's value, else the trainer config's own default
+    (GRPOConfig draws 8 generations per prompt, RLOOConfig 2)."""
+    import dataclasses
+
+    if args.get(name) is not None:
+        return args[name]
+    fields = {f.name: f.default for f in dataclasses.fields(TRAINER_KINDS[trainer].config_cls)}
+    return fields.get(name)
