@@ -151,7 +151,8 @@ def timed_rollouts():
 
 def held_out(steps: int, partial_steps: int, fractions: list[float], correction: str, seed: int, out: Path,
              long_tail: float, eval_every: int, grpo_seeds: list[int] | None = None, half_batch: bool = False,
-             mask_offpolicy: bool = False, stop_unit: str = "trajectories") -> None:
+             mask_offpolicy: bool = False, stop_unit: str = "trajectories",
+             max_deferrals: list[int | None] = (None,)) -> None:
     """configs/partial_rollout.yaml's GRPO stage without the plugin and at each lambda, from one SFT warm-up."""
     import yaml
 
@@ -186,13 +187,15 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], correction:
     # a correction that is itself the objective (rollout_ratio) replaces grpo's
     objective = any(Slot.OBJECTIVE in catalog.resolve(name).cls.slots for name in corrections)
     for fraction in fractions:
-        plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": mask_offpolicy,
-                                      "stop_unit": stop_unit}}
-        configurations[f"partial{round(fraction * 100)}"] = (
-            f"partial_rollout {fraction}" + (" groups" if stop_unit == "groups" else "")
-            + (f" + {correction}" if correction != "none" else "")
-            + (" masked" if mask_offpolicy else ""),
-            [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"], {"max_steps": partial_steps})
+        for bound in max_deferrals:
+            plugin = {"partial_rollout": {"finish_fraction": fraction, "mask_offpolicy": mask_offpolicy,
+                                          "stop_unit": stop_unit, "max_deferrals": bound}}
+            configurations[f"partial{round(fraction * 100)}" + ("" if bound is None else f"_d{bound}")] = (
+                f"partial_rollout {fraction}" + (" groups" if stop_unit == "groups" else "")
+                + ("" if bound is None else f" defer<={bound}")
+                + (f" + {correction}" if correction != "none" else "")
+                + (" masked" if mask_offpolicy else ""),
+                [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"], {"max_steps": partial_steps})
     stages, labels, steps_of = {}, {}, {}
     for seed_of_grpo in grpo_seeds or [None]:
         for key, (label, plugins, overrides) in configurations.items():
@@ -319,12 +322,16 @@ def main() -> None:
                         "--partial-steps steps, the per-step batch the plugin trains")
     parser.add_argument("--stop-unit", choices=["trajectories", "groups"], default="trajectories",
                         help="what lambda counts (the plugin's stop_unit): finished trajectories or complete groups")
+    parser.add_argument("--max-deferrals", nargs="+", default=["none"], metavar="K",
+                        help="--held-out: one partial_rollout configuration per value of the plugin's max_deferrals "
+                        "(a group deferred K times is generated to the end next round; none: unbounded)")
     parser.add_argument("--output-dir", default=None, help="where --held-out runs (default: a temporary folder)")
     a = parser.parse_args()
     if a.held_out:
         out = Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-"))
         held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, a.correction, a.seed, out, a.long_tail,
-                 a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy, a.stop_unit)
+                 a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy, a.stop_unit,
+                 [None if k == "none" else int(k) for k in a.max_deferrals])
         return
 
     from trl_ext.embedded.models import materialize_model

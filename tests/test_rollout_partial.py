@@ -71,6 +71,21 @@ def test_group_stop_unit_waits_for_the_third_of_four_groups_to_complete():
     assert _first_all_stop_step(partial, [2, 4, 6, 1, 3]) == 4  # group 9 at step 3, group 3 at step 4
 
 
+def test_required_rows_hold_the_call_open_past_the_target():
+    # the 2nd of 4 rows finishes at step 2 (target 2), but row 3 (a group at the deferral bound) runs to step 6
+    finish_step = [1, 2, 4, 6]
+    free = StopWhenEnoughFinished(0, [8] * 4, [EOS], target=2)
+    assert _first_all_stop_step(free, finish_step) == 2
+    bound = StopWhenEnoughFinished(0, [8] * 4, [EOS], target=2, required=[False, False, False, True])
+    assert _first_all_stop_step(bound, finish_step) == 6
+    # a required row ended by its own budget counts as done (the cap finishes a trajectory)
+    capped_row = StopWhenEnoughFinished(0, [8, 8, 8, 3], [EOS], target=2, required=[False, False, False, True])
+    assert _first_all_stop_step(capped_row, finish_step) == 3
+    # the target still holds once the required rows are done: row 0 required, the 3rd finisher at step 4
+    early = StopWhenEnoughFinished(0, [8] * 4, [EOS], target=3, required=[True, False, False, False])
+    assert _first_all_stop_step(early, finish_step) == 4
+
+
 def test_trained_group_rewards_count_only_the_groups_that_train():
     nan = float("nan")
     rewards = torch.tensor([1, 0, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1,  nan, 1, 0, 0])
@@ -94,6 +109,17 @@ def test_lambda_outside_0_1_is_refused_before_loading(trl_ext_catalog, register_
     stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
                       plugins=[{"partial_rollout": {"finish_fraction": value}}, "exact_match"])
     with pytest.raises(RecipeError, match=r"stages\[0\]\.plugins\[0\]\.params\.finish_fraction: .*partial_rollout"):
+        resolve_stage(stage, 0, trl_ext_catalog)
+
+
+def test_negative_max_deferrals_is_refused_before_loading(trl_ext_catalog, register_plugin):
+    register_plugin(PartialRollout)
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    register_plugin(ExactMatch)
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"partial_rollout": {"max_deferrals": -1}}, "exact_match"])
+    with pytest.raises(RecipeError, match=r"plugins\[0\]\.params\.max_deferrals: .*greater than or equal to 0"):
         resolve_stage(stage, 0, trl_ext_catalog)
 
 
@@ -460,3 +486,41 @@ def test_a_run_resumed_mid_deferral_trains_the_uninterrupted_run_bit_for_bit(tin
     assert straight.keys() == resumed.keys()
     changed = [k for k in straight if not torch.equal(straight[k], resumed[k])]
     assert not changed, f"weights differ after resuming: {changed[:5]}"
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_max_deferrals_bounds_how_long_a_group_waits(tiny_trainer, limit):
+    """At lambda 0.25 most groups are deferred every round; with max_deferrals k no group is deferred more than k
+    times, a group at the bound trains in that round, and no trained token is more than k rounds old."""
+    trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=0.25, max_deferrals=limit)
+    unbounded_trainer, unbounded, _ = _trainer(tiny_trainer, finish_fraction=0.25)
+    waits = []
+    for steps in (plugin, unbounded):
+        torch.manual_seed(4)
+        model = trainer if steps is plugin else unbounded_trainer
+        for round_ in range(6):
+            model.state.global_step = round_
+            at_bound = sum(g.deferrals >= limit for g in steps.buffer[:4])
+            model._generate_and_score_completions(_rows(data, 4 * round_))
+            record = steps.history[-1]
+            if steps is plugin:
+                assert all(g.deferrals <= limit for g in steps.buffer) and (limit > 0 or not steps.buffer)
+                assert record["partial_rollout/forced_groups"] == (4 if limit == 0 else at_bound)
+                assert record["partial_rollout/staleness_max"] <= limit
+        waits.append(max(r["partial_rollout/staleness_max"] for r in steps.history))
+    assert waits[1] > limit, "expected the unbounded run to let some group wait longer (seeded)"
+
+
+def test_deferral_counts_survive_the_checkpoint(tiny_trainer):
+    from trl_ext_plugins.rollout.partial_rollout import PendingGroup, Trajectory
+
+    plugin = PartialRollout(PartialRollout.Params(max_deferrals=2))
+    plugin.buffer = [PendingGroup([{"prompt": "1+1="}], [Trajectory([5], [-1.0], [0])], deferrals=2)]
+    state = plugin.buffer_state()
+    restored = PartialRollout(PartialRollout.Params(max_deferrals=2))
+    restored.load_buffer_state(state)
+    assert restored.buffer[0].deferrals == 2
+    # a buffer written before the count existed: each of its groups was deferred once at least
+    del state[0]["deferrals"]
+    restored.load_buffer_state(state)
+    assert restored.buffer[0].deferrals == 1

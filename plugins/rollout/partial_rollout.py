@@ -39,6 +39,12 @@ class PartialRolloutParams(PluginParams):
                                  "importance-sampling plugins through their recorded sampling log-probs. Measured "
                                  "harmful: the mask removes a deferred group's early finishers, so what trains "
                                  "depends on length (plugin docstring).")
+    max_deferrals: int | None = Field(None, ge=0, description="Bound on how often one prompt group may be deferred: "
+                                      "a group already deferred this many times is generated to the end in its "
+                                      "next round (the call runs until its unfinished members reach EOS or "
+                                      "max_completion_length), so no trained token is more than max_deferrals "
+                                      "generation rounds old (AReaL's staleness bound). null: unbounded (Kimi k1.5, "
+                                      "APRIL, slime); 0: nothing is deferred (lambda 1).")
 
 
 @dataclass
@@ -58,6 +64,7 @@ class PendingGroup:
 
     rows: list[dict]
     samples: list[Trajectory]
+    deferrals: int = 1  # generation rounds that ended with this group unfinished
 
 
 def capped(trajectory: Trajectory, max_len: int) -> Trajectory:
@@ -75,18 +82,20 @@ class StopWhenEnoughFinished(StoppingCriteria):
     """Per-row stop at EOS or at the row's own token budget; all rows stop once ``target`` units have finished.
 
     A unit is a row, or with ``groups`` (each row's group index) a group, finished once all its rows in the call are.
+    Rows marked ``required`` (groups at the deferral bound) must also be done before the call ends.
     transformers pads a finished row from then on and ends ``generate`` when every row is done, so returning all-True
     ends the call right after the step in which the ``target``-th unit finished.
     """
 
     def __init__(self, prompt_width: int, budgets: list[int], eos_ids: list[int], target: int,
-                 groups: list[int] | None = None):
+                 groups: list[int] | None = None, required: list[bool] | None = None):
         self.prompt_width = prompt_width
         self.budgets = torch.tensor(budgets)
         self.eos_ids = torch.tensor(eos_ids)
         self.target = target
         self.groups = None if groups is None else torch.unique(torch.tensor(groups), return_inverse=True)[1]
         self.done = torch.zeros(len(budgets), dtype=torch.bool)
+        self.required = torch.zeros(len(budgets), dtype=torch.bool) if required is None else torch.tensor(required)
         self.steps = 0
 
     def finished_units(self) -> int:
@@ -100,7 +109,7 @@ class StopWhenEnoughFinished(StoppingCriteria):
         self.steps = input_ids.shape[1] - self.prompt_width
         last = input_ids[:, -1].cpu()
         self.done |= torch.isin(last, self.eos_ids) | (self.steps >= self.budgets)
-        if self.finished_units() >= self.target:
+        if self.finished_units() >= self.target and bool(self.done[self.required].all()):
             return torch.ones_like(self.done).to(input_ids.device)
         return self.done.clone().to(input_ids.device)
 
@@ -136,6 +145,13 @@ class PartialRollout(Plugin):
       groups of ``over_sampling_batch_size`` are done. One long member holds back its whole group, so at the same
       lambda ``trajectories`` defers more groups (a call at lambda 0.75 can leave half of them waiting) and
       ``groups`` decodes longer but trains at least lambda of the groups each step;
+    * how long a group may wait (``max_deferrals``): unbounded by default, as in Kimi k1.5, APRIL and slime, whose
+      buffers hold a group until it completes. ``max_deferrals: k`` bounds it as AReaL bounds staleness (its eta, in
+      policy versions): a group deferred ``k`` times is generated to the end in its next round, so the call then
+      decodes until that group's unfinished members reach EOS or the cap, whatever lambda says, and no trained token is
+      more than ``k`` generation rounds old (``k`` optimizer steps with TRL's default of one step per generation
+      batch). The bound counts rounds, not optimizer steps, so it holds with ``steps_per_generation`` and
+      ``num_iterations`` too; ``partial_rollout/forced_groups`` logs how many groups a round had to finish;
     * the sampling log-probs come from the processed scores of the step that sampled each token (as
       ``rollout_logprobs``), so the plugin provides ``sampling_logprobs``: importance-sampling plugins (tis, mis,
       icepop, m2po) then correct the stale segment; ``mask_offpolicy: true`` removes it from the loss instead (a mask,
@@ -271,6 +287,8 @@ class PartialRollout(Plugin):
         super().__init__(params)
         self.buffer: list[PendingGroup] = []
         self._plan: list[Trajectory | None] | None = None  # this round's slots: resumed trajectory or None (fresh)
+        self._deferrals: list[int] = []  # this round's groups: how often each was deferred before (0: fresh)
+        self._forced_groups = 0  # this round's groups at the max_deferrals bound, generated to the end
         self._states: list[Trajectory] | None = None  # this round's trajectories after generation
         self._last_steps = 0  # decoding steps of the last generation call (logged)
         self._trained_rewards = (float("nan"), float("nan"))  # this round's trained groups: mean reward, zero-std share
@@ -303,8 +321,10 @@ class PartialRollout(Plugin):
         rows = [row for group in resumed for row in group.rows] + list(inputs[: len(inputs) - G * len(resumed)])
         self._plan = [copy.deepcopy(s) for group in resumed for s in group.samples]
         self._plan += [None] * (len(inputs) - len(self._plan))
+        self._deferrals = [group.deferrals for group in resumed] + [0] * (capacity - len(resumed))
         resumed_trajectories = sum(not s.finished for group in resumed for s in group.samples)
         self._trained_rewards, self._trained_tokens = (float("nan"), float("nan")), (0, 0)
+        self._forced_groups = 0
         try:
             output, _keep = score(rows)
         finally:
@@ -312,7 +332,8 @@ class PartialRollout(Plugin):
         states, self._states = self._states, None
         for start in range(0, len(states), G):
             if not all(s.finished for s in states[start:start + G]):
-                self.buffer.append(PendingGroup(rows[start:start + G], states[start:start + G]))
+                self.buffer.append(PendingGroup(rows[start:start + G], states[start:start + G],
+                                                self._deferrals[start // G] + 1))
         record = self._record(trainer, states, G, resumed_trajectories)
         self.history.append(record)
         trainer._log_plugin_metrics(record)
@@ -328,7 +349,7 @@ class PartialRollout(Plugin):
         local = torch.tensor([len(self.buffer), resumed_trajectories, len(trained), len(states),
                               sum(versions_per_trajectory(versions)), len(versions),
                               max((step - min(v) for v in versions), default=0), self._last_steps,
-                              *self._trained_tokens],
+                              *self._trained_tokens, self._forced_groups],
                              dtype=torch.float64, device=trainer.accelerator.device)
         ranks = trainer.accelerator.gather(local).view(-1, local.numel()).cpu()
         total, top = ranks.sum(0).tolist(), ranks.max(0).values.tolist()
@@ -342,6 +363,7 @@ class PartialRollout(Plugin):
             "partial_rollout/stale_token_fraction": total[8] / total[9] if total[9] else 0.0,
             "partial_rollout/trained_reward_mean": self._trained_rewards[0],
             "partial_rollout/trained_zero_std_fraction": self._trained_rewards[1],
+            "partial_rollout/forced_groups": int(total[10]),
         }
 
     # -- generation -------------------------------------------------------------------------------------------------
@@ -366,8 +388,12 @@ class PartialRollout(Plugin):
         states = [capped(copy.deepcopy(p), max_len) if p is not None else Trajectory() for p in plan]
         active = [i for i, s in enumerate(states) if not s.finished]
         # Rows of one prompt group sit next to each other (refill_groups), so slot i belongs to group i // G.
-        groups = [i // trainer.num_generations for i in active] if self.params.stop_unit == "groups" else None
+        G, limit = trainer.num_generations, self.params.max_deferrals
+        groups = [i // G for i in active] if self.params.stop_unit == "groups" else None
         target = finish_target(len(active) if groups is None else len(set(groups)), self.params.finish_fraction)
+        # a group deferred max_deferrals times already must finish in this call: its unfinished rows are required
+        required = [limit is not None and self._deferrals[i // G] >= limit for i in active]
+        self._forced_groups = len({i // G for i, r in zip(active, required) if r})
         self._last_steps = 0
         if active:
             device = trainer.accelerator.device
@@ -376,7 +402,8 @@ class PartialRollout(Plugin):
             attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0,
                                  padding_side="left").to(device)
             budgets = [max_len - len(states[i].ids) for i in active]
-            stop = StopWhenEnoughFinished(input_ids.size(1), budgets, list(trainer.eos_token_ids), target, groups)
+            stop = StopWhenEnoughFinished(input_ids.size(1), budgets, list(trainer.eos_token_ids), target, groups,
+                                          required)
             config = copy.deepcopy(trainer.generation_config)
             config.max_new_tokens = max(budgets)
             with (
@@ -447,10 +474,13 @@ class PartialRollout(Plugin):
         trainer.add_callback(PartialRolloutCheckpoint(self, accelerator.process_index, accelerator.num_processes))
 
     def buffer_state(self) -> list[dict]:
-        return [{"rows": g.rows, "samples": [asdict(s) for s in g.samples]} for g in self.buffer]
+        return [{"rows": g.rows, "samples": [asdict(s) for s in g.samples], "deferrals": g.deferrals}
+                for g in self.buffer]
 
     def load_buffer_state(self, state: list[dict]) -> None:
-        self.buffer = [PendingGroup(g["rows"], [Trajectory(**s) for s in g["samples"]]) for g in state]
+        # buffers saved before max_deferrals existed carry no count: each of their groups was deferred at least once
+        self.buffer = [PendingGroup(g["rows"], [Trajectory(**s) for s in g["samples"]], g.get("deferrals", 1))
+                       for g in state]
 
 
 class PartialRolloutCheckpoint(TrainerCallback):
