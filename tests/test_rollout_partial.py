@@ -524,3 +524,70 @@ def test_deferral_counts_survive_the_checkpoint(tiny_trainer):
     del state[0]["deferrals"]
     restored.load_buffer_state(state)
     assert restored.buffer[0].deferrals == 1
+
+
+def test_periodic_tails_finds_a_block_repeated_to_the_end():
+    from trl_ext_plugins.rollout.partial_rollout import periodic_tails
+
+    ids = torch.tensor([[9, 1, 2, 1, 2, 1, 2],    # period 2 over the last 6
+                        [9, 1, 2, 3, 1, 2, 4],    # no period
+                        [9, 1, 2, 3, 1, 2, 3],    # period 3
+                        [9, 5, 5, 5, 5, 5, 5],    # period 1 (and 2, 3)
+                        [1, 2, 1, 2, 1, 2, 5]])   # periodic before its last token only
+    assert periodic_tails(ids, window=6, max_period=3).tolist() == [True, False, True, True, False]
+    assert periodic_tails(ids, window=6, max_period=2).tolist() == [True, False, False, True, False]
+    assert periodic_tails(ids, window=8, max_period=3).tolist() == [False] * 5  # rows shorter than the window
+
+
+def test_repeat_detection_counts_the_resumed_prefix_and_cuts_the_row():
+    # row 0 resumes a 3-token prefix "7 7 7" and emits 7s: with window 4 it is cut at its first new token; row 1 emits
+    # "1 2 1 2 ..." from nothing and is cut at step 4; row 2 varies and runs to its budget
+    # left-padded inputs, prompt then prefix; row 2's prompt ends "1 1 1" and its first new token is 1: a periodic
+    # window only if the prompt counted, which it does not (the window must lie inside the completion)
+    ids = torch.tensor([[8, 8, 7, 7, 7], [0, 0, 0, 7, 7], [0, 0, 1, 1, 1]])
+    stop = StopWhenEnoughFinished(prompt_width=5, budgets=[6, 6, 6], eos_ids=[EOS], target=3, repeat=(4, 2),
+                                  prefix_lengths=[3, 0, 0])
+    streams = [[7] * 6, [1, 2, 1, 2, 1, 2], [1, 2, 3, 4, 5, 6]]
+    for step in range(6):
+        ids = torch.cat([ids, torch.tensor([[s[step]] for s in streams])], dim=1)
+        if stop(ids, None).all():
+            break
+    assert stop.repeat_cut.tolist() == [1, 4, -1] and step == 5
+
+
+def test_repeat_detection_ends_repetitive_trajectories_in_training(tiny_trainer):
+    """A model that repeats one token: with repeat_window 4 every trajectory ends after 4 tokens, finished without
+    EOS, and the round trains them; without it they run to the 12-token cap."""
+    from trl_ext_plugins.rollout.partial_rollout import PartialRollout as Plugin
+
+    lengths = {}
+    for window in (None, 4):
+        trainer, plugin, data = _trainer(tiny_trainer, finish_fraction=1.0, repeat_window=window, repeat_max_period=2)
+        token = 5
+
+        def repeat_one(module, args, output):
+            output = output.clone()
+            output[..., token] += 100.0
+            return output
+
+        trainer.model.lm_head.register_forward_hook(repeat_one)
+        torch.manual_seed(0)
+        out = trainer._generate_and_score_completions(_rows(data, 0))
+        lengths[window] = out["completion_mask"].sum(1).tolist()
+        record = plugin.history[-1]
+        assert isinstance(plugin, Plugin) and record["partial_rollout/trained_fraction"] == 1.0
+        assert record["partial_rollout/repeat_stopped"] == (16 if window else 0)
+        assert (out["completion_ids"][:, : lengths[window][0]] == token).all()
+    assert lengths[None] == [12] * 16 and lengths[4] == [4] * 16
+
+
+def test_repeat_period_longer_than_half_the_window_is_refused(trl_ext_catalog, register_plugin):
+    register_plugin(PartialRollout)
+    from trl_ext_plugins.rewards.exact_match import ExactMatch
+
+    register_plugin(ExactMatch)
+    stage = StageSpec(trainer="grpo", model="no-such-model", dataset={"source": "embedded:arithmetic"},
+                      plugins=[{"partial_rollout": {"repeat_window": 8, "repeat_max_period": 5}}, "exact_match"])
+    with pytest.raises(RecipeError, match=r"plugins\[0\]\.params.*repeat_max_period \(5\) must be at most half of "
+                                          r"repeat_window \(8\)"):
+        resolve_stage(stage, 0, trl_ext_catalog)

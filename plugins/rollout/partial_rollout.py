@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from transformers import StoppingCriteria, StoppingCriteriaList, TrainerCallback
 
 from trl_ext import Need, Plugin, PluginParams, Slot, hookimpl
@@ -45,6 +45,19 @@ class PartialRolloutParams(PluginParams):
                                       "max_completion_length), so no trained token is more than max_deferrals "
                                       "generation rounds old (AReaL's staleness bound). null: unbounded (Kimi k1.5, "
                                       "APRIL, slime); 0: nothing is deferred (lambda 1).")
+    repeat_window: int | None = Field(None, ge=2, description="Repeat detection (Kimi k1.5): a trajectory whose last "
+                                      "repeat_window tokens repeat one block of at most repeat_max_period tokens "
+                                      "is ended there, as finished (no EOS, so length_shaping's no_stop_penalty or "
+                                      "TRL's mask_truncated_completions apply to it). null: off (the default).")
+    repeat_max_period: int = Field(16, ge=1, description="Longest repeated block repeat detection looks for, in "
+                                   "tokens; at most repeat_window / 2, so a detected block occurs at least twice.")
+
+    @model_validator(mode="after")
+    def _period_fits_the_window(self):
+        if self.repeat_window is not None and 2 * self.repeat_max_period > self.repeat_window:
+            raise ValueError(f"repeat_max_period ({self.repeat_max_period}) must be at most half of repeat_window "
+                             f"({self.repeat_window}), so a detected block occurs at least twice")
+        return self
 
 
 @dataclass
@@ -56,6 +69,7 @@ class Trajectory:
     logps: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
+    repeated: bool = False  # ended by repeat detection (finished, without EOS)
 
 
 @dataclass
@@ -78,18 +92,37 @@ def capped(trajectory: Trajectory, max_len: int) -> Trajectory:
     return trajectory
 
 
+def periodic_tails(ids: torch.Tensor, window: int, max_period: int) -> torch.Tensor:
+    """Bool ``(B,)``: whether each row's last ``window`` tokens repeat one block of ``p <= max_period`` tokens, i.e.
+    ``ids[t] == ids[t - p]`` for every ``t`` of the window after its first ``p`` tokens (the block then occurs
+    ``window / p >= 2`` times). Rows shorter than ``window`` are False."""
+    if ids.size(1) < window:
+        return torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device)
+    tail = ids[:, -window:]
+    found = torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device)
+    for period in range(1, max_period + 1):
+        found |= (tail[:, period:] == tail[:, :-period]).all(dim=1)
+    return found
+
+
 class StopWhenEnoughFinished(StoppingCriteria):
     """Per-row stop at EOS or at the row's own token budget; all rows stop once ``target`` units have finished.
 
     A unit is a row, or with ``groups`` (each row's group index) a group, finished once all its rows in the call are.
-    Rows marked ``required`` (groups at the deferral bound) must also be done before the call ends.
+    Rows marked ``required`` (groups at the deferral bound) must also be done before the call ends. With ``repeat``
+    (window, max_period), a row whose completion (``prefix_lengths`` tokens before the call, then the new ones) ends in
+    a periodic window is done too; ``repeat_cut`` holds the number of new tokens it keeps (-1: not cut).
     transformers pads a finished row from then on and ends ``generate`` when every row is done, so returning all-True
     ends the call right after the step in which the ``target``-th unit finished.
     """
 
     def __init__(self, prompt_width: int, budgets: list[int], eos_ids: list[int], target: int,
-                 groups: list[int] | None = None, required: list[bool] | None = None):
+                 groups: list[int] | None = None, required: list[bool] | None = None,
+                 repeat: tuple[int, int] | None = None, prefix_lengths: list[int] | None = None):
         self.prompt_width = prompt_width
+        self.repeat = repeat
+        self.prefix_lengths = torch.tensor(prefix_lengths or [0] * len(budgets))
+        self.repeat_cut = torch.full((len(budgets),), -1, dtype=torch.long)
         self.budgets = torch.tensor(budgets)
         self.eos_ids = torch.tensor(eos_ids)
         self.target = target
@@ -108,7 +141,14 @@ class StopWhenEnoughFinished(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         self.steps = input_ids.shape[1] - self.prompt_width
         last = input_ids[:, -1].cpu()
-        self.done |= torch.isin(last, self.eos_ids) | (self.steps >= self.budgets)
+        ended = torch.isin(last, self.eos_ids) | (self.steps >= self.budgets)
+        if self.repeat is not None:
+            window, max_period = self.repeat
+            long_enough = self.prefix_lengths + self.steps >= window
+            repeated = ~self.done & ~ended & long_enough & periodic_tails(input_ids, window, max_period).cpu()
+            self.repeat_cut[repeated] = self.steps
+            ended |= repeated
+        self.done |= ended
         if self.finished_units() >= self.target and bool(self.done[self.required].all()):
             return torch.ones_like(self.done).to(input_ids.device)
         return self.done.clone().to(input_ids.device)
@@ -152,6 +192,13 @@ class PartialRollout(Plugin):
       more than ``k`` generation rounds old (``k`` optimizer steps with TRL's default of one step per generation
       batch). The bound counts rounds, not optimizer steps, so it holds with ``steps_per_generation`` and
       ``num_iterations`` too; ``partial_rollout/forced_groups`` logs how many groups a round had to finish;
+    * repeat detection (``repeat_window``, off by default): Kimi k1.5 says its rollout system detects repeated content
+      during decoding and ends such rollouts early, with a penalty, but gives no rule. The rule here: a trajectory
+      whose last ``repeat_window`` completion tokens repeat one block of at most ``repeat_max_period`` tokens (default
+      16) is ended in that decoding step and counts as finished; it keeps its tokens up to there and has no EOS.
+      The penalty is left to the plugins that already score a completion that did not stop on its own:
+      ``length_shaping``'s ``no_stop_penalty`` (added to its reward) or TRL's ``mask_truncated_completions`` (out of
+      the loss). ``partial_rollout/repeat_stopped`` logs how many trajectories a round ended this way;
     * the sampling log-probs come from the processed scores of the step that sampled each token (as
       ``rollout_logprobs``), so the plugin provides ``sampling_logprobs``: importance-sampling plugins (tis, mis,
       icepop, m2po) then correct the stale segment; ``mask_offpolicy: true`` removes it from the loss instead (a mask,
@@ -289,6 +336,7 @@ class PartialRollout(Plugin):
         self._plan: list[Trajectory | None] | None = None  # this round's slots: resumed trajectory or None (fresh)
         self._deferrals: list[int] = []  # this round's groups: how often each was deferred before (0: fresh)
         self._forced_groups = 0  # this round's groups at the max_deferrals bound, generated to the end
+        self._repeat_stopped = 0  # this round's trajectories ended by repeat detection
         self._states: list[Trajectory] | None = None  # this round's trajectories after generation
         self._last_steps = 0  # decoding steps of the last generation call (logged)
         self._trained_rewards = (float("nan"), float("nan"))  # this round's trained groups: mean reward, zero-std share
@@ -325,6 +373,7 @@ class PartialRollout(Plugin):
         resumed_trajectories = sum(not s.finished for group in resumed for s in group.samples)
         self._trained_rewards, self._trained_tokens = (float("nan"), float("nan")), (0, 0)
         self._forced_groups = 0
+        self._repeat_stopped = 0
         try:
             output, _keep = score(rows)
         finally:
@@ -349,7 +398,7 @@ class PartialRollout(Plugin):
         local = torch.tensor([len(self.buffer), resumed_trajectories, len(trained), len(states),
                               sum(versions_per_trajectory(versions)), len(versions),
                               max((step - min(v) for v in versions), default=0), self._last_steps,
-                              *self._trained_tokens, self._forced_groups],
+                              *self._trained_tokens, self._forced_groups, self._repeat_stopped],
                              dtype=torch.float64, device=trainer.accelerator.device)
         ranks = trainer.accelerator.gather(local).view(-1, local.numel()).cpu()
         total, top = ranks.sum(0).tolist(), ranks.max(0).values.tolist()
@@ -364,6 +413,7 @@ class PartialRollout(Plugin):
             "partial_rollout/trained_reward_mean": self._trained_rewards[0],
             "partial_rollout/trained_zero_std_fraction": self._trained_rewards[1],
             "partial_rollout/forced_groups": int(total[10]),
+            "partial_rollout/repeat_stopped": int(total[11]),
         }
 
     # -- generation -------------------------------------------------------------------------------------------------
@@ -402,8 +452,11 @@ class PartialRollout(Plugin):
             attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0,
                                  padding_side="left").to(device)
             budgets = [max_len - len(states[i].ids) for i in active]
-            stop = StopWhenEnoughFinished(input_ids.size(1), budgets, list(trainer.eos_token_ids), target, groups,
-                                          required)
+            p = self.params
+            stop = StopWhenEnoughFinished(
+                input_ids.size(1), budgets, list(trainer.eos_token_ids), target, groups, required,
+                repeat=None if p.repeat_window is None else (p.repeat_window, p.repeat_max_period),
+                prefix_lengths=[len(states[i].ids) for i in active])
             config = copy.deepcopy(trainer.generation_config)
             config.max_new_tokens = max(budgets)
             with (
@@ -425,13 +478,18 @@ class PartialRollout(Plugin):
             version = trainer.state.global_step
             eos = set(trainer.eos_token_ids)
             for row, i in enumerate(active):
-                ids = new_ids[row].tolist()[: budgets[row]]
+                cut = int(stop.repeat_cut[row])
+                # a row cut by repeat detection keeps its tokens up to the cut (what follows is padding, which may be
+                # the EOS token)
+                ids = new_ids[row].tolist()[: budgets[row] if cut < 0 else cut]
                 ended = next((t for t, tok in enumerate(ids) if tok in eos), None)
                 n = len(ids) if ended is None else ended + 1
                 states[i].ids += ids[:n]
                 states[i].logps += new_logps[row, :n].tolist()
                 states[i].versions += [version] * n
-                states[i].finished = ended is not None or len(states[i].ids) >= max_len
+                states[i].repeated = cut >= 0 and ended is None
+                states[i].finished = ended is not None or len(states[i].ids) >= max_len or states[i].repeated
+            self._repeat_stopped = sum(states[i].repeated for i in active)
         self._states = states
         return [s.ids for s in states], [s.logps for s in states]
 
