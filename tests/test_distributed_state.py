@@ -242,10 +242,13 @@ def test_partial_rollout_figures_cover_both_ranks_buffers():
         plugin.buffer, plugin._last_steps = buffers[rank], steps[rank]
         plugin._trained_tokens = trained_tokens[rank]
         plugin._trained_rewards = (0.5, 0.25)  # from the gathered rewards: the same on every rank
+        plugin._forced_groups, plugin._repeat_stopped = {0: (1, 2), 1: (0, 3)}[rank]
         other = 1 - rank
         # the other rank's figures: buffered groups, resumed, trained, generated, sum of distinct versions,
-        # trained trajectories with tokens, staleness, decoding steps, stale trained tokens, trained tokens
-        other_local = {0: [0, 1, 2, 2, 1 + 2, 2, 3 - 2, 5, 1, 4], 1: [1, 0, 2, 4, 1 + 1, 2, 0, 7, 0, 2]}[other]
+        # trained trajectories with tokens, staleness, decoding steps, stale trained tokens, trained tokens, groups
+        # forced to finish, trajectories ended by repeat detection
+        other_local = {0: [0, 1, 2, 2, 1 + 2, 2, 3 - 2, 5, 1, 4, 1, 2],
+                       1: [1, 0, 2, 4, 1 + 1, 2, 0, 7, 0, 2, 0, 3]}[other]
         trainer = fake_trainer(rank, others={"gather": [torch.tensor(other_local, dtype=torch.float64)]})
         trainer.accelerator.device = "cpu"
         trainer.state.global_step = 3
@@ -255,7 +258,8 @@ def test_partial_rollout_figures_cover_both_ranks_buffers():
                 "partial_rollout/versions_per_trajectory": pytest.approx((1 + 2 + 1 + 1) / 4),
                 "partial_rollout/staleness_max": 1, "partial_rollout/generation_steps": 7,
                 "partial_rollout/stale_token_fraction": pytest.approx(1 / 6),
-                "partial_rollout/trained_reward_mean": 0.5, "partial_rollout/trained_zero_std_fraction": 0.25}
+                "partial_rollout/trained_reward_mean": 0.5, "partial_rollout/trained_zero_std_fraction": 0.25,
+                "partial_rollout/forced_groups": 1, "partial_rollout/repeat_stopped": 5}
     assert records[0] == expected and records[1] == expected
 
 
