@@ -14,6 +14,7 @@ from trl_ext.testing import check_plugin_conformance
 from trl_ext.trainers.mtp import (
     ExtMtpTrainer,
     MtpConfig,
+    ZERO3_REFUSAL,
     MtpSupportError,
     check_stage,
     depth_outputs,
@@ -495,7 +496,7 @@ def test_heads_load_from_a_checkpoint_after_the_model_was_saved(trained, model_d
     save_pretrained leaves config.dtype a string: the load failed ("'str' object has no attribute
     'is_floating_point'"), so an interrupted mtp stage could not resume."""
     trainer = _trainer(model_dir, tmp_path / "out")
-    trainer.save_model(str(tmp_path / "before"))  # what mtp_heads' trl_ext_trainer_created does
+    trainer.save_model(str(tmp_path / "before"))  # the writer mtp_heads' trl_ext_trainer_created uses (_save)
     assert isinstance(trainer.policy.config.dtype, str)
     trainer._load_from_checkpoint(trained[4])
     for name, param in trainer.head_parameters().items():
@@ -541,6 +542,18 @@ def test_evaluation_and_peft_are_refused_on_mtp_stages():
                    evaluation={"dataset": {"source": "embedded:arithmetic"}, "reward": "exact_match"})
     errors = check_stage(stage, {}, "stages[0]")
     assert [e.split(":")[0] for e in errors] == ["stages[0].evaluation", "stages[0].peft"]
+
+
+def test_zero3_is_refused_at_validation():
+    """Under ZeRO-3 transformers loads the frozen trunk partitioned, but only the heads enter the DeepSpeed engine: the
+    trunk's forward met size-0 weights at the first step (2 processes, 'The size of tensor a (0) must match ...')."""
+    from trl_ext.launch import backend_args
+
+    stage = _stage("embedded:tiny-glm4-moe-mtp")
+    for backend, refused in (("zero3", True), ("zero2", False), ("ddp", False)):
+        errors = check_stage(stage, backend_args(backend, cuda=False), "stages[0]")
+        assert errors == ([f"stages[0].args.deepspeed: {ZERO3_REFUSAL}"] if refused else []), backend
+    assert "does not run under DeepSpeed ZeRO-3" in ZERO3_REFUSAL
 
 
 def test_plugin_conformance_and_required_held_out():

@@ -4,6 +4,7 @@ completions cached, acceptance measured before/after and for the heads_from chec
 trunk untouched by the mtp stages, the healed folder loading through transformers with its heads. The acceptance
 figures of the full recipe are measured by running it (see the plugin's report); a few steps here prove no trend."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -75,3 +76,42 @@ def test_mtp_healing_recipe_end_to_end(tmp_path):
                         .named_parameters())
     changed = [n for n in source_heads if n.startswith("layers.") and not torch.equal(source_heads[n], healed_heads[n])]
     assert changed, "healing did not change the heads it started from"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an extra")
+def test_mtp_heads_stage_on_two_deepspeed_processes(tmp_path):
+    """mtp_heads saved the starting model from the main process with ``trainer.save_model`` before training, whose
+    DeepSpeed path (ZeRO-2 too) needs the engine that does not exist yet: 'MtpModel' object has no attribute
+    'save_checkpoint'. Two ZeRO-2 processes now train the heads; the saved heads load with their shapes and moved."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from trl_ext.trainers.mtp import fresh_heads
+
+    recipe = {"seed": 0, "name": "mtp", "trainer": "mtp", "model": "embedded:tiny-glm4-moe-mtp",
+              "dataset": {"source": "embedded:arithmetic", "split": "train", "params": {"format": "prompt"},
+                          "limit": 8},
+              "plugins": [{"mtp_heads": {"samples_per_prompt": 2, "max_new_tokens": 4, "acceptance_prompts": 4,
+                                         "acceptance_max_new_tokens": 4,
+                                         "held_out": {"source": "embedded:arithmetic", "split": "test",
+                                                      "params": {"format": "prompt"}}}}],
+              "args": {"max_steps": 2, "per_device_train_batch_size": 4, "learning_rate": 0.01, "logging_steps": 1,
+                       "save_strategy": "no"},
+              "distributed": {"num_processes": 2, "backend": "zero2"}}
+    path, out = tmp_path / "mtp.json", tmp_path / "out"
+    path.write_text(json.dumps(recipe))
+    result = subprocess.run([sys.executable, "-m", "trl_ext.cli", "train", str(path), "--output-dir", str(out)],
+                            check=False, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(json.loads((out / "mtp" / "mtp_acceptance.json").read_text())) == {"before", "after"}
+    # The embedded model has no heads: the stage starts from fresh ones seeded by args.seed (the recipe's seed).
+    trunk = AutoModelForCausalLM.from_pretrained(next((out / "_embedded").glob("*")))
+    start = dict(fresh_heads(trunk, 1, 0).named_parameters())
+    saved = dict(MtpModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "mtp")).named_parameters())
+    heads = [n for n in start if n.startswith("layers.")]
+    assert heads and all(saved[n].shape == start[n].shape and saved[n].numel() for n in heads)
+    assert any(not torch.equal(saved[n], start[n]) for n in heads)  # the trained heads, not the starting ones

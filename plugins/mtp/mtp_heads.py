@@ -79,7 +79,9 @@ class MtpHeads(Plugin):
 
     A model class without MTP support (no ``num_mtp_layers`` in its config, or MTP weights transformers would not
     find at the layers after ``num_hidden_layers``) is refused naming the class: at validation when the model is
-    embedded or a local folder, else by the trainer before training.
+    embedded or a local folder, else by the trainer before training. DeepSpeed ZeRO-3 is refused the same way (the
+    trainer's frozen trunk would be partitioned outside the engine); under DDP and ZeRO-2 the main process writes the
+    starting copy with the trainer's own writer, since before training DeepSpeed has no engine for ``save_model``.
     """
 
     name = "mtp_heads"
@@ -128,6 +130,7 @@ class MtpHeads(Plugin):
         from accelerate import PartialState
 
         from trl_ext.runner import current_run, resolve_model_ref
+        from trl_ext.trainers.mtp import save_with_heads
 
         ctx = current_run()
         heads_from = resolve_model_ref(self.params.heads_from, ctx) if ctx and self.params.heads_from else \
@@ -144,8 +147,10 @@ class MtpHeads(Plugin):
             scratch.mkdir(parents=True, exist_ok=True)
             for stale in scratch.glob(f"{BEFORE_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
+            # The trainer's own writer, not save_model: before training DeepSpeed has no engine yet, and save_model's
+            # DeepSpeed path (ZeRO-2 included) failed on the bare heads ('MtpModel' has no 'save_checkpoint').
             with tempfile.TemporaryDirectory(dir=scratch, prefix=BEFORE_PREFIX) as tmp:
-                trainer.save_model(tmp)
+                save_with_heads(trainer.policy, trainer.heads, tmp, trainer.processing_class)
                 self._figures["before"] = self._measure(tmp, prompts, trainer.args.seed)
         PartialState().wait_for_everyone()
 

@@ -39,8 +39,10 @@ family keeps in float32. ``num_mtp_layers`` sets the depth when the checkpoint's
 Saving (``save_model`` and every checkpoint): the trunk as ``save_pretrained`` writes it plus the heads as the
 decoder layers after ``num_hidden_layers`` (``model.layers.{N+k}.{enorm,hnorm,eh_proj,shared_head.norm,...}``, the
 DeepSeek-V3 / GLM-4.5 layout, in the family's on-disk weight format), so ``AutoModelForCausalLM.from_pretrained``
-loads the folder unchanged and ``generate(use_mtp=True)`` drafts with the trained heads. Resuming reads the heads back
-from the newest checkpoint folder.
+loads the folder unchanged and ``generate(use_mtp=True)`` drafts with the trained heads; the main process writes it
+(``save_model`` calls ``_save`` on every rank). Resuming reads the heads back from the newest checkpoint folder.
+DeepSpeed ZeRO-3 is refused (at validation and by the trainer): transformers would load the frozen trunk partitioned,
+but only the heads enter the engine that gathers weights, so the trunk's forward would see size-0 weights.
 
 Depends on no TRL internals. transformers internals used: ``MtpModel.{from_pretrained, forward_layer,
 _project_to_logits, get_mtp_weights_regex}``, ``PreTrainedModel._init_weights``,
@@ -211,6 +213,21 @@ def known_model_class(ref: str) -> tuple[type, Any] | None:
     return None
 
 
+# ZeRO-3 builds the frozen trunk partitioned (transformers loads it inside ``deepspeed.zero.Init``) but only the heads
+# enter the DeepSpeed engine, so the trunk's forward met size-0 weights at the first step.
+ZERO3_REFUSAL = ("the mtp trainer does not run under DeepSpeed ZeRO-3 (the frozen trunk would be partitioned outside "
+                 "the engine that gathers weights); use backend 'ddp' or 'zero2'")
+
+
+def zero_stage(deepspeed) -> int | None:
+    """The ZeRO stage of a ``deepspeed`` training argument (a config dict or the path of a JSON config), or None."""
+    if isinstance(deepspeed, (str, os.PathLike)) and Path(deepspeed).is_file():
+        deepspeed = json.loads(Path(deepspeed).read_text())
+    if not isinstance(deepspeed, dict):
+        return None
+    return (deepspeed.get("zero_optimization") or {}).get("stage")
+
+
 def check_stage(stage, args: dict[str, Any], where: str) -> list[str]:
     """Validation of an ``mtp`` stage before any model loads: the model class must carry MTP heads that
     ``generate(use_mtp=True)`` loads (when the class is known now; otherwise the trainer checks before training)."""
@@ -220,6 +237,8 @@ def check_stage(stage, args: dict[str, Any], where: str) -> list[str]:
                       f"measure speculative acceptance with the mtp_heads plugin instead")
     if stage.peft is not None:
         errors.append(f"{where}.peft: the mtp trainer trains the MTP heads in full; remove `peft`")
+    if zero_stage(args.get("deepspeed")) == 3:
+        errors.append(f"{where}.args.deepspeed: {ZERO3_REFUSAL}")
     known = known_model_class(stage.model)
     if known is not None:
         problem = mtp_support_problem(known[0], known[1], args.get("num_mtp_layers"))
@@ -502,6 +521,10 @@ class ExtMtpTrainer(HostMixin, Trainer):
         self._init_host(plugin_host)
         if peft_config is not None:
             raise ValueError("the mtp trainer trains the MTP heads in full; remove the stage's `peft`")
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():  # also a ZeRO-3 config given outside the recipe (accelerate launch)
+            raise MtpSupportError(ZERO3_REFUSAL)
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
         problem = mtp_support_problem(type(model), model.config, args.num_mtp_layers)
@@ -559,6 +582,8 @@ class ExtMtpTrainer(HostMixin, Trainer):
         super().log(logs, *args, **kwargs)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        if not self.args.should_save:  # save_model calls this on every rank: one writer, as Trainer._save
+            return
         output_dir = output_dir or self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         save_with_heads(self.policy, self.heads, output_dir, self.processing_class)
