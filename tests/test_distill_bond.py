@@ -1,5 +1,6 @@
 """``bond``: BoN log-density advantages by hand, the forward (SFT on best-of-N) term, the EMA anchor, bad input."""
 
+import importlib.util
 import math
 
 import pytest
@@ -133,3 +134,63 @@ def test_bon_nll_is_a_token_mean_over_every_ranks_best_samples():
     per_rank = BOND(BONDParams(beta=0.0, bon_nll_mean="micro_batch"))
     assert ((per_rank.trl_ext_extra_loss(rank0) + per_rank.trl_ext_extra_loss(rank1)) / 2).item() == \
         pytest.approx(expected / 2)  # the per-rank convention, kept as an option
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an extra")
+def test_ema_anchor_under_zero3_moves_and_resumes_as_on_one_process(tmp_path):
+    """ZeRO-3 keeps each parameter as this rank's partition (``.data`` empty): the EMA update crashed at the first step
+    (size 0 against the policy's persistent small tensors) and the checkpointed anchor was written as size-0 tensors.
+    Now 2 processes under ZeRO-3, killed after their second checkpoint and resumed from the first, end with the anchor
+    one process reaches on the same global batch (fixed completions, tests/fixed_rollouts_cli.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    script = Path(__file__).resolve().parent / "fixed_rollouts_cli.py"
+
+    def recipe(per_device: int, distributed: dict | None) -> Path:
+        data = {"seed": 0, "name": "bond", "trainer": "grpo", "model": "embedded:tiny-qwen2", "keep_checkpoints": True,
+                "dataset": {"source": "embedded:arithmetic", "params": {"format": "prompt"}, "limit": 64},
+                "plugins": [{"bond": {"anchor": "ema", "ema_rate": 0.5}}, "fixed_rollouts",
+                            {"python_reward": {"functions": f"{script}:completion_length"}}],
+                "args": {"max_steps": 2, "per_device_train_batch_size": per_device, "learning_rate": 0.1,
+                         "optim": "sgd", "logging_steps": 1, "save_strategy": "steps", "save_steps": 1,
+                         "gradient_checkpointing": False, "num_generations": 4, "max_completion_length": 8},
+                **({"distributed": distributed} if distributed else {})}
+        path = tmp_path / f"bond{per_device}.json"
+        path.write_text(json.dumps(data))
+        return path
+
+    def run(command: list[str], out: Path, crash_at: str | None = None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "TRL_EXT_CRASH_AT"}
+        if crash_at:
+            env["TRL_EXT_CRASH_AT"] = crash_at
+        return subprocess.run([*command, "train", str(out.with_suffix(".json")), "--output-dir", str(out)],
+                              check=False, capture_output=True, text=True, timeout=900, env=env)
+
+    one = recipe(8, None).with_suffix("")
+    two = recipe(4, {"num_processes": 2, "backend": "zero3"}).with_suffix("")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29617"]
+    single = run([sys.executable, str(script)], one)
+    assert single.returncode == 0, single.stderr[-3000:]
+    killed = run([*torchrun, str(script)], two, crash_at="checkpoint:2")  # 2nd checkpoint written, unmarked
+    assert killed.returncode != 0 and not (two / "bond" / "stage.json").exists(), killed.stderr[-3000:]
+    resumed = run([*torchrun, str(script)], two)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+
+    def anchor(out: Path, step: int) -> dict:
+        return load_file(str(out / "bond" / "checkpoints" / f"checkpoint-{step}" / "ema_anchor.safetensors"))
+
+    initial = load_file(str(next((one / "_embedded").glob("*")) / "model.safetensors"))
+    reference = anchor(one, 2)
+    assert max((reference[k] - initial[k]).abs().max().item() for k in reference if k in initial) > 1e-3  # moved
+    for step in (1, 2):
+        sharded, expected = anchor(two, step), anchor(one, step)
+        assert {k: v.shape for k, v in sharded.items()} == {k: v.shape for k, v in expected.items()}
+        assert max((sharded[k] - expected[k]).abs().max().item() for k in expected) < 1e-6, step

@@ -236,13 +236,28 @@ class PluginStateCheckpoint(TrainerCallback):
 REFERENCE_FILE = "ema_anchor.safetensors"
 
 
+def zero3_gathered(accelerator, parameters, modifier_rank: int | None = None):
+    """Under DeepSpeed ZeRO-3, a context in which ``parameters`` hold their full values on every rank (entered by every
+    rank: gathering is a collective; with ``modifier_rank`` that rank's changes are kept and re-partitioned on exit);
+    otherwise a no-op. ZeRO-3 keeps only this rank's partition of each parameter, and ``.data`` is empty."""
+    import contextlib
+
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(parameters), modifier_rank=modifier_rank)
+
+
 class ReferenceModelCheckpoint(TrainerCallback):
     """Saves TRL's reference model with every checkpoint and restores it on resume, for plugins that move it during
     training (``warp``'s and ``bond``'s EMA anchor).
 
     TRL checkpoints hold the policy and optimizer, not the reference model; without this a stage resumed after a crash
     would restart its anchor from the initial model instead of the EMA it had reached. A plugin adds it in
-    ``trl_ext_trainer_created``, so it writes before the checkpoint is marked complete.
+    ``trl_ext_trainer_created``, so it writes before the checkpoint is marked complete. Under DeepSpeed ZeRO-3 every
+    rank gathers the reference's partitions for the save (rank 0 writes) and the restore (else size-0 tensors).
     """
 
     def __init__(self, trainer):
@@ -254,9 +269,11 @@ class ReferenceModelCheckpoint(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         from safetensors.torch import save_model
 
-        if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            save_model(self._reference(), str(folder / REFERENCE_FILE))
+        reference = self._reference()
+        with zero3_gathered(self.trainer.accelerator, reference.parameters()):  # every rank: a collective
+            if state.is_world_process_zero:
+                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                save_model(reference, str(folder / REFERENCE_FILE))
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._checked:
@@ -270,7 +287,9 @@ class ReferenceModelCheckpoint(TrainerCallback):
 
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / REFERENCE_FILE
         if path.is_file():
-            load_model(self._reference(), str(path))
+            reference = self._reference()
+            with zero3_gathered(self.trainer.accelerator, reference.parameters(), modifier_rank=0):
+                load_model(reference, str(path))
         else:
             warnings.warn(f"resuming at step {state.global_step} without {path}; the moving reference model restarts "
                           f"from the stage's initial model", stacklevel=1)

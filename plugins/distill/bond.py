@@ -57,7 +57,9 @@ class BOND(Plugin):
     reference model an exponential moving average of the policy (updated after every optimizer step with
     ``ema_rate``, J-BOND default about 0.02, not verified), so the KL regulariser follows a moving anchor; J-BOND's
     additional KL to the initial reference is not added. ``anchor: ema`` is refused with ``peft`` (TRL then keeps no
-    reference model to move). Defaults: ``beta = 0.5``, ``N = num_generations``.
+    reference model to move). Under DeepSpeed ZeRO-3 every rank gathers the policy and the anchor for the update (and
+    for the anchor's checkpoint), since each rank holds only empty ``.data`` partitions of both. Defaults:
+    ``beta = 0.5``, ``N = num_generations``.
     """
 
     name = "bond"
@@ -174,6 +176,11 @@ class EMAAnchor(TrainerCallback):
         ref = getattr(self.trainer, "ref_model", None)
         if ref is None:
             return
+        from trl_ext.callbacks import zero3_gathered
+
         policy = dict(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
         anchor = dict(self.trainer.accelerator.unwrap_model(ref).named_parameters())
-        dm.ema_update({k: v.data for k, v in anchor.items()}, {k: policy[k].data for k in anchor}, self.rate)
+        # ZeRO-3 holds each parameter as this rank's partition (``.data`` is empty): every rank gathers both models and
+        # updates the full tensors, and DeepSpeed re-partitions rank 0's result (the same on every rank).
+        with zero3_gathered(self.trainer.accelerator, [*policy.values(), *anchor.values()], modifier_rank=0):
+            dm.ema_update({k: v.data for k, v in anchor.items()}, {k: policy[k].data for k in anchor}, self.rate)

@@ -79,8 +79,8 @@ class Warp(Plugin):
       pi_ref every tau steps is exactly this EMA with alpha = mu, tau = 1) and ``beta``. With ``rloo`` the penalty is
       the paper's: TRL's RLOO subtracts beta * sum_t log(pi/pi_ref) (k1) from the reward, so the reward is
       r - beta log(pi/pi_ema); with ``grpo`` it is TRL's per-token k3 term in the loss instead. The anchor is saved
-      with every checkpoint and restored on resume (TRL does not checkpoint the reference model; not under ZeRO-3,
-      whose sharded reference TRL's sync gathers but this save does not).
+      with every checkpoint and restored on resume (TRL does not checkpoint the reference model; under ZeRO-3 every
+      rank gathers the sharded reference for the save and the restore).
     * a **merge stage** (``trainer: merge``, ``model:`` = theta_init, ``runs:`` = the M RL stages): per tensor, the
       task vectors delta_m = theta_m - theta_init are merged by SLERP, theta_slerp = theta_init + sin((1-l) W)/sin W
       delta_1 + sin(l W)/sin W delta_2 with W the angle between delta_1 and delta_2, then LITI moves towards the
