@@ -1,6 +1,7 @@
 """llm_judge, checklist_judge, self_judge: verdict parsing, order averaging, fallbacks, HTTP judge, checklists,
 Copeland self-judging, and the llm_judge recipe end to end."""
 
+import importlib.util
 import json
 import threading
 import time
@@ -511,11 +512,12 @@ def _judge_setup(tiny_model_dir, temperature=0.7, weight=1.0):
     return plugin, model, tok, seqs, rewards
 
 
-def _loss_inputs(model, steps_per_generation=2, grad_accum_steps=2, training=True):
+def _loss_inputs(model, steps_per_generation=2, grad_accum_steps=2, training=True, num_processes=1):
     from types import SimpleNamespace
 
     return SimpleNamespace(training=training, steps_per_generation=steps_per_generation,
-                           grad_accum_steps=grad_accum_steps, extra={"model": model}, metrics={})
+                           grad_accum_steps=grad_accum_steps, extra={"model": model}, metrics={},
+                           num_processes=num_processes)
 
 
 def _reference_judge_loss(model, seqs, advantages, temperature, normalizer):
@@ -577,6 +579,50 @@ def test_judge_gradients_flow_through_verdict_tokens_only(tiny_model_dir):
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.parameters())
 
 
+def test_policy_judge_makes_as_many_generate_calls_as_the_busiest_rank(tiny_model_dir):
+    """Ranks can hold different numbers of judge texts (two equal prompts on one rank merge into one group of 2G:
+    2G(2G-1) verdicts against 2G(G-1)); a ZeRO-3 policy's generate gathers weights collectively, so the rank with
+    fewer calls fell out of step (2 processes, gloo: 'Is there a distributed collective mismatch'). Every rank now pads
+    to the busiest rank's call count with placeholder calls whose output is dropped."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    calls = []
+    original = model.generate
+    model.generate = lambda **kwargs: calls.append(kwargs["input_ids"].shape[0]) or original(**kwargs)
+    accelerator = SimpleNamespace(num_processes=2, device="cpu", unwrap_model=lambda m: m,
+                                  gather=lambda t: torch.cat([t, torch.tensor([4])]))  # the other rank: 4 calls
+    judge = judging.PolicyJudge(max_new_tokens=2, temperature=1.0, batch_size=2)
+    judge.bind(SimpleNamespace(model=model, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                               accelerator=accelerator))
+    replies = judge.generate(["1+2=", "3+4=", "5+6="])
+    assert calls == [2, 1, 1, 1] and len(replies) == 3 and len(judge.last_sequences) == 3
+
+
+def test_judge_term_forwards_on_every_first_pass_micro_batch_on_several_processes(tiny_model_dir):
+    """A rank whose judge samples are used up (or that has none) still forwards on each micro-batch of the first pass,
+    on a placeholder weighted 0, so a ZeRO-3 model's collective forwards stay in step across ranks and every rank
+    logs the same figure keys; later passes (num_iterations > 1) add nothing on any rank."""
+    plugin, model, _tok, _seqs, _ = _judge_setup(tiny_model_dir)
+    plugin.judge.last_sequences = []  # nothing usable on this rank
+    plugin._record_judge_samples([[0, 1, 2]], [JUDGE_VERDICTS])
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda _m, _a: forwards.append(1))
+    try:
+        inputs = _loss_inputs(model, steps_per_generation=2, num_processes=2)
+        terms = [plugin.trl_ext_extra_loss(inputs) for _ in range(3)]
+    finally:
+        handle.remove()
+    assert len(forwards) == 2 and terms[2] is None
+    assert all(t.item() == 0.0 and t.requires_grad for t in terms[:2])
+    assert {"self_judge/judge_loss", "self_judge/judge_tokens"} <= set(inputs.metrics)
+    # one process keeps the old rule: nothing to forward, nothing added
+    plugin._record_judge_samples([[0, 1, 2]], [JUDGE_VERDICTS])
+    assert plugin.trl_ext_extra_loss(_loss_inputs(model)) is None
+
+
 def test_grpo_loss_with_judge_term_and_weight_zero_parity(tiny_trainer):
     """On a generated GRPO batch: weight 0 gives TRL's own loss; weight 1 adds exactly the independent judge term."""
     from trl import GRPOTrainer
@@ -599,6 +645,38 @@ def test_grpo_loss_with_judge_term_and_weight_zero_parity(tiny_trainer):
     plugin.params = SelfJudgeParams(max_new_tokens=3, judge_loss_weight=0.0)
     pending["cursor"] = 0
     assert abs(trainer._compute_loss(trainer.model, out).item() - base.item()) < 1e-7
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an extra")
+def test_self_judge_under_zero3_with_uneven_judge_work_per_rank(tmp_path):
+    """Four prompts, three of them equal, two per rank: one rank merges its two equal prompts into one group of 8
+    (56 verdicts, 4 generate calls of 16), the other judges two groups of 4 (24 verdicts, 2 calls). Under ZeRO-3 on
+    2 processes the step died in a collective mismatch; now it trains and logs the judge figures."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "fixed_rollouts_cli.py"  # deterministic completions
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                            for p in ["What is 1+1?", "What is 1+1?", "What is 1+1?", "What is 2+3?"]))
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({
+        "seed": 0, "name": "sj", "trainer": "grpo", "model": "embedded:tiny-qwen2", "dataset": {"source": str(data)},
+        "plugins": ["grpo", "fixed_rollouts", {"self_judge": {"max_new_tokens": 4}}],
+        "args": {"max_steps": 1, "per_device_train_batch_size": 8, "learning_rate": 0.1, "optim": "sgd",
+                 "logging_steps": 1, "save_strategy": "no", "gradient_checkpointing": False, "num_generations": 4,
+                 "max_completion_length": 8},
+        "distributed": {"num_processes": 2, "backend": "zero3"}}))
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             "29619", str(script), "train", str(recipe), "--output-dir", str(out)],
+                            check=False, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "sj" / "metrics.jsonl").read_text().splitlines()]
+    logged = next(row for row in rows if "self_judge/judge_tokens" in row)
+    assert logged["self_judge/judge_tokens"] >= 56 + 24  # both ranks' verdicts, at least one token each
 
 
 def test_joint_training_validation():

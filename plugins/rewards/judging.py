@@ -30,6 +30,7 @@ pairwise: the last ``[[A]]``/``[[B]]``/``[[C]]`` (MT-Bench, C = tie; never prose
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import urllib.error
@@ -301,13 +302,18 @@ def _chat_or_plain(tokenizer, text: str, use_chat_template: bool) -> str:
     return text
 
 
+PLACEHOLDER_TEXT = "Verdict:"  # the prompt of a generate call made only to keep the ranks in step (output dropped)
+
+
 @torch.no_grad()
 def generate_sequences(model, tokenizer, texts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
-                       batch_size: int = 16, use_chat_template: bool = True
+                       batch_size: int = 16, use_chat_template: bool = True, min_calls: int = 0
                        ) -> list[tuple[list[int], list[int], str]]:
     """Per text: (prompt token ids as fed to ``generate``, new token ids up to and including the first EOS, decoded
     new tokens). Greedy when ``temperature`` is 0, else pure sampling (top-p 1, top-k off); left-padded batches of
-    ``batch_size``; the model runs in eval mode and its training mode is restored afterwards."""
+    ``batch_size``; the model runs in eval mode and its training mode is restored afterwards. ``min_calls``: at least
+    this many ``generate`` calls, the missing ones on a placeholder prompt whose output is dropped (a ZeRO-3 or FSDP
+    model generates in step with the other ranks: each call's forwards gather weights collectively)."""
     device = next(model.parameters()).device
     out: list[tuple[list[int], list[int], str]] = []
     side = tokenizer.padding_side
@@ -318,12 +324,12 @@ def generate_sequences(model, tokenizer, texts: Sequence[str], max_new_tokens: i
         eos_ids.add(tokenizer.eos_token_id)
     was_training = model.training
     model.eval()
+    sampling = ({"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+                if temperature > 0 else {"do_sample": False})
     try:
         for start in range(0, len(texts), batch_size):
             chunk = [_chat_or_plain(tokenizer, t, use_chat_template) for t in texts[start:start + batch_size]]
             enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            sampling = ({"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
-                        if temperature > 0 else {"do_sample": False})
             ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                  **sampling)
             new = ids[:, enc["input_ids"].shape[1]:]
@@ -336,6 +342,10 @@ def generate_sequences(model, tokenizer, texts: Sequence[str], max_new_tokens: i
                     if token in eos_ids:
                         break
                 out.append((prompt, verdict, text))
+        for _ in range(min_calls - math.ceil(len(texts) / batch_size)):
+            placeholder = [_chat_or_plain(tokenizer, PLACEHOLDER_TEXT, use_chat_template)]
+            enc = tokenizer(placeholder, return_tensors="pt", add_special_tokens=False).to(device)
+            model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
@@ -393,8 +403,14 @@ class PolicyJudge:
 
     def generate(self, texts: Sequence[str]) -> list[str | None]:
         model, tokenizer = self.model_and_tokenizer()
+        # Ranks can hold different numbers of texts (e.g. two equal prompts merged into one group on one rank): every
+        # rank makes as many generate calls as the busiest one, else a sharded policy's gathers fall out of step.
+        calls = math.ceil(len(texts) / self.batch_size)
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:
+            calls = int(accelerator.gather(torch.tensor([calls], device=accelerator.device)).max().item())
         out = generate_sequences(model, tokenizer, texts, self.max_new_tokens, self.temperature, self.batch_size,
-                                 self.use_chat_template)
+                                 self.use_chat_template, min_calls=calls)
         self.last_sequences = [(prompt, verdict) for prompt, verdict, _ in out]
         return [text for _, _, text in out]
 

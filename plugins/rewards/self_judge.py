@@ -155,9 +155,11 @@ class SelfJudge(Plugin):
     rewarded as consistent (consistency is no correctness signal; SERL relies on it only as a self-consistency
     regulariser); the judge sequences are forwarded in one batch per micro-batch (memory ~ G (G - 1) / steps per
     generation sequences of judge-prompt length); with several processes each rank trains on its own judge samples,
-    with the batch-wide mean and N (N / processes per rank, as gradients are averaged); the RLOO trainer has no
-    loss seam, so joint training is refused there (use ``judge_loss_weight: 0``); greedy judging (``temperature`` 0)
-    is only allowed without joint training.
+    with the batch-wide mean and N (N / processes per rank, as gradients are averaged), and ranks holding different
+    numbers of verdicts (equal prompts merged into one group) still make the same number of judge generate calls and
+    forwards, padded with placeholder ones whose output is dropped, since a ZeRO-3 or FSDP policy runs them
+    collectively; the RLOO trainer has no loss seam, so joint training is refused there (use ``judge_loss_weight:
+    0``); greedy judging (``temperature`` 0) is only allowed without joint training.
     Cost: G (G - 1) policy generations of ``max_new_tokens`` per group per step, plus one forward/backward of those
     sequences when the judging is trained.
     """
@@ -219,13 +221,13 @@ class SelfJudge(Plugin):
         world = accelerator.num_processes if accelerator is not None else 1
         if world > 1:
             totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
-        if not usable:
-            return []
+        if not usable:  # an empty share: on several processes the loss hook still forwards in step (see there)
+            sequences, judge_rewards = [], []
         self._pending = {
             "prompts": [s[0] for s in sequences], "verdicts": [s[1] for s in sequences],
             "advantages": judge_advantages(torch.tensor(judge_rewards, dtype=torch.float64),
                                            totals[0].item() / max(totals[1].item(), 1.0)),
-            "tokens": totals[2].item() / world, "cursor": 0,
+            "tokens": totals[2].item() / world, "cursor": 0, "calls": 0,
         }
         return judge_rewards
 
@@ -260,19 +262,31 @@ class SelfJudge(Plugin):
         pending = self._pending
         if self.params.judge_loss_weight <= 0 or not inputs.training or pending is None:
             return None
-        n = len(pending["verdicts"])
+        n, steps = len(pending["verdicts"]), max(inputs.steps_per_generation, 1)
         start = pending["cursor"]
-        if start >= n:
+        if inputs.num_processes > 1:
+            # Every rank forwards on each micro-batch of the first pass, a rank whose share is used up on a one-token
+            # placeholder weighted 0 (figures zeros, the same keys on every rank): ranks can hold different numbers of
+            # verdicts, and a ZeRO-3 or FSDP model's forward and backward are collective.
+            if pending["calls"] >= steps:  # a later pass over the generation batch (num_iterations > 1)
+                return None
+            pending["calls"] += 1
+        elif start >= n:
             return None
-        stop = min(n, start + math.ceil(n / max(inputs.steps_per_generation, 1)))
+        stop = min(n, start + math.ceil(n / steps))
         pending["cursor"] = stop
         trainer = self.judge.trainer
         model = inputs.extra["model"] if inputs.extra.get("model") is not None else trainer.model
-        logps, mask = verdict_logps(model, pending["prompts"][start:stop], pending["verdicts"][start:stop],
-                                    trainer.processing_class.pad_token_id, self.params.temperature)
-        advantages = pending["advantages"][start:stop].to(logps.device)
+        pad = trainer.processing_class.pad_token_id
+        prompts, verdicts = ((pending["prompts"][start:stop], pending["verdicts"][start:stop]) if stop > start
+                             else ([[pad]], [[pad]]))
+        logps, mask = verdict_logps(model, prompts, verdicts, pad, self.params.temperature)
+        if stop == start:
+            mask = torch.zeros_like(mask)
+        advantages = (pending["advantages"][start:stop] if stop > start
+                      else torch.zeros(1, dtype=torch.float64)).to(logps.device)
         normalizer = pending["tokens"] * inputs.grad_accum_steps / inputs.steps_per_generation
-        loss = judge_policy_loss(logps, mask, advantages, normalizer)
+        loss = judge_policy_loss(logps, mask, advantages, normalizer or 1.0)  # 0 tokens on every rank: a 0 term
         # over every rank's verdict tokens (a plain float logged rank 0's chunk only)
         inputs.metrics[f"{self.name}/judge_loss"] = figures.mean(
             judge_policy_loss(logps.detach(), mask, advantages, 1.0), mask.sum())
