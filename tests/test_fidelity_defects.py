@@ -217,6 +217,22 @@ def test_k3_never_rewards_moving_further_below_the_reference():
     assert grad[0].item() == pytest.approx(1 - math.exp(19)) and (grad[1:] == 0).all()
 
 
+def test_k3_plus_clamp_bounds_the_value_not_the_k2_gradient():
+    """verl's ``kl_penalty(..., "low_var_kl+")`` (docs: k2's gradient "regardless of the kl value estimation"):
+    value = k3 clamped to +-10, gradient = k2's, d. Clamping the straight-through sum instead gave gradient 0 wherever
+    k3 > 10, i.e. for d < -2.6 or d > 11, the tokens furthest from the reference."""
+    d = [LOG2, -3.0, 12.0]
+    logp = torch.tensor(d, dtype=D, requires_grad=True)
+    kl = ops.kl_estimate(logp, torch.zeros(3, dtype=D), "k3+", clamp=10.0)
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    expected = [min(math.exp(-x) - 1 + x, 10.0) for x in d]  # 0.193147, 10 (k3 = 16.09), 10 (k3 = 11.000006)
+    assert kl.tolist() == pytest.approx(expected, rel=1e-12)
+    assert grad.tolist() == pytest.approx(d, rel=1e-12)  # d/dlogp of 0.5 d^2
+    # k3 itself keeps verl's low_var_kl clamp: constant 10 (zero gradient) beyond it
+    (grad_k3,) = torch.autograd.grad(ops.kl_estimate(logp, torch.zeros(3, dtype=D), "k3", clamp=10.0).sum(), logp)
+    assert grad_k3.tolist() == pytest.approx([1 - 0.5, 0.0, 0.0], rel=1e-12)
+
+
 # -- defect 4: returns and GAE skip interior masked (tool) tokens --------------------------------------------------------
 
 

@@ -90,7 +90,10 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
     k2's gradient is the unbiased gradient of the KL). k3 clamps d below at -20 (the convention-6 clamp, as verl's
     low_var_kl), so it stays finite and >= 0 for any d, exact for d >= -20 and constant (zero gradient) below; k3+
     takes its k2 gradient from the same clamped d. ``clamp``: optionally clamp the
-    estimate to [-clamp, clamp] (verl clamps k3 to +-10); ``None`` = no clamp (TRL).
+    estimate to [-clamp, clamp] (verl clamps k3 to +-10); ``None`` = no clamp (TRL). For k3+ the clamp bounds the
+    *value* only and the gradient stays k2's (verl's ``kl_penalty``: ``k2 - sg(k2) + sg(clamped k3)``, "regardless
+    of the kl value estimation"); clamping the straight-through sum would zero the gradient wherever k3 > clamp
+    (d < -2.6 or d > 11 at verl's 10), exactly the tokens furthest from the reference.
     """
     d = per_token_logps - ref_per_token_logps
     if estimator == "k1":
@@ -106,7 +109,8 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
         kl = torch.exp(-d_k3) - 1 + d_k3
         if estimator == "k3+":
             k2 = 0.5 * d_k3 * d_k3  # the same clamp: at d = -inf an unclamped k2 would make the value inf - inf
-            kl = k2 + (kl - k2).detach()
+            value = kl if clamp is None else kl.clamp(-clamp, clamp)  # the clamp bounds the value, not the gradient
+            return k2 + (value - k2).detach()
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
     return kl if clamp is None else kl.clamp(-clamp, clamp)
