@@ -341,23 +341,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = materialize_model("tiny-qwen2", Path(tmp) / "model", seed=0)
         results = {}
-        for fraction in [None, *a.fractions]:
-            plugin = None if fraction is None else PartialRollout(PartialRollout.Params(finish_fraction=fraction,
-                                                                                         stop_unit=a.stop_unit))
-            trainer = build(plugin, model_dir, Path(tmp) / f"out-{fraction}", a.batch, a.generations,
+        bounds = [None if k == "none" else int(k) for k in a.max_deferrals]
+        for fraction, bound in [(None, None), *((f, b) for f in a.fractions for b in bounds)]:
+            plugin = None if fraction is None else PartialRollout(PartialRollout.Params(
+                finish_fraction=fraction, stop_unit=a.stop_unit, max_deferrals=bound))
+            trainer = build(plugin, model_dir, Path(tmp) / f"out-{fraction}-{bound}", a.batch, a.generations,
                             a.max_completion_length, a.eos_bias)
             run(trainer, plugin, 1, a.batch, a.generations)  # warm-up (not timed)
-            results[fraction] = run(trainer, plugin, a.rollouts, a.batch, a.generations)
-    base = results[None]
+            results[fraction, bound] = run(trainer, plugin, a.rollouts, a.batch, a.generations)
+    base = results[None, None]
     print(f"{a.rollouts} rollouts of {a.batch} trajectories ({a.batch // a.generations} prompts x {a.generations}), "
           f"max_completion_length {a.max_completion_length}, EOS bias {a.eos_bias} (geometric lengths)")
-    print(f"{'configuration':<26}{'s/step':>9}{'decode steps':>14}{'trained/step':>14}{'time ratio':>12}"
+    print(f"{'configuration':<38}{'s/step':>9}{'decode steps':>14}{'trained/step':>14}{'time ratio':>12}"
           f"{'s/trained ratio':>17}")
-    for fraction, r in results.items():
+    for (fraction, bound), r in results.items():
         name = "no plugin (TRL)" if fraction is None else f"partial_rollout lambda={fraction}" + (
-            " groups" if a.stop_unit == "groups" else "")
+            " groups" if a.stop_unit == "groups" else "") + ("" if bound is None else f" defer<={bound}")
         per_trained = (r["seconds"] / r["trained"]) / (base["seconds"] / base["trained"]) if r["trained"] else float("inf")
-        print(f"{name:<26}{r['seconds']:>9.3f}{r['decode_steps']:>14.1f}{r['trained']:>14.1f}"
+        print(f"{name:<38}{r['seconds']:>9.3f}{r['decode_steps']:>14.1f}{r['trained']:>14.1f}"
               f"{r['seconds'] / base['seconds']:>12.2f}{per_trained:>17.2f}")
 
 
