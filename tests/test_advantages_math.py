@@ -168,3 +168,29 @@ def test_length_adaptive_lambda():
     lam = adv.length_adaptive_lambda(torch.tensor([20, 100, 1000, 5]), alpha=0.05)
     assert torch.allclose(lam, t([0.0, 0.8, 0.98, 0.0]), atol=1e-12)  # alpha*l clamped to >= 1
 
+
+
+def test_openrlhf_whitening_uses_the_population_variance_and_a_clamped_floor():
+    """OpenRLHF's experience maker: var = sum m (x - mean)^2 / sum m, A = (x - mean) * rsqrt(max(var, 1e-8)); verl's
+    masked_whiten divides by n - 1 and adds 1e-8. Over n valid tokens the two differ by sqrt((n - 1) / n)."""
+    values = t([[1.0, 2.0, 4.0, 99.0], [3.0, 5.0, -7.0, 8.0]])
+    mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
+    xs = [1.0, 2.0, 4.0, 3.0, 5.0]
+    mean = sum(xs) / 5
+    population = sum((x - mean) ** 2 for x in xs) / 5
+    expected = [(x - mean) / population ** 0.5 for x in xs]
+    w = adv.masked_whiten(values, mask, convention="openrlhf")
+    assert w[mask.bool()].tolist() == pytest.approx(expected, rel=1e-12)
+    assert w[~mask.bool()].tolist() == [0.0, 0.0, 0.0]
+    verl = adv.masked_whiten(values, mask)
+    assert verl[mask.bool()].tolist() == pytest.approx((w[mask.bool()] * (4 / 5) ** 0.5).tolist(), rel=1e-7)
+    # constant values: verl divides 0 by sqrt(1e-8), OpenRLHF by sqrt(max(0, 1e-8)): both 0, finite
+    flat = adv.masked_whiten(t([[2.0, 2.0]]), t([[1, 1]]), convention="openrlhf")
+    assert flat.tolist() == [[0.0, 0.0]]
+    # a variance below the floor: OpenRLHF clamps it to 1e-8, verl adds 1e-8
+    tiny = t([[0.0, 1e-5]])
+    o = adv.masked_whiten(tiny, t([[1, 1]]), convention="openrlhf")[0, 1].item()
+    assert o == pytest.approx(0.5e-5 / 1e-4, rel=1e-9)  # population var 2.5e-11 -> 1e-8
+    v = adv.masked_whiten(tiny, t([[1, 1]]))[0, 1].item()
+    assert v == pytest.approx(0.5e-5 / (5e-11 + 1e-8) ** 0.5, rel=1e-9)
+

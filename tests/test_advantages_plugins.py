@@ -152,6 +152,20 @@ def test_reinforce_pp_baseline_whitens_group_centred_rewards(tiny_trainer):
     assert torch.allclose(out["advantages"], expected, atol=1e-5)
 
 
+def test_reinforce_pp_baseline_whitens_as_openrlhf_when_asked(tiny_trainer):
+    values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    plugin = ReinforcePPBaseline(ReinforcePPBaseline.Params(whitening="openrlhf"))
+    trainer = tiny_trainer("grpo", plugins=[plugin], reward_funcs=[scripted_reward(values)])
+    out = rollout(trainer)
+    mask = out["completion_mask"].float()
+    centred = torch.tensor(values).view(2, 4)
+    per_token = (centred - centred.mean(1, keepdim=True)).view(-1, 1) * mask
+    valid = mask.bool()
+    population = per_token[valid].var(unbiased=False)  # OpenRLHF: divided by n, floor max(var, 1e-8)
+    expected = (per_token - per_token[valid].mean()) / torch.sqrt(population.clamp(min=1e-8)) * mask
+    assert torch.allclose(out["advantages"], expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("plugin", [RLOO(), ReinforcePP()])
 def test_one_training_step_runs(tiny_trainer, plugin):
     trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1, "beta": 0.04})

@@ -16,12 +16,13 @@ Conventions pinned here (and tested in tests/test_advantages_math.py):
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
 Reduce = Callable[[torch.Tensor], torch.Tensor] | None
 WHITEN_EPS = 1e-8
+Whitening = Literal["verl", "openrlhf"]
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -284,21 +285,32 @@ def _sum(t: torch.Tensor, reduce: Reduce) -> torch.Tensor:
     return t if reduce is None else reduce(t)
 
 
-def masked_moments(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance of ``values`` over ``mask`` across all ranks (two passes for accuracy)."""
+def masked_moments(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None,
+                   ddof: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of ``values`` over ``mask`` across all ranks (two passes for accuracy); the variance divides
+    by ``n - ddof`` (1: unbiased, the default; 0: the population variance)."""
     valid, mask = mask.bool(), mask.to(values.dtype)
     values = torch.where(valid, values, torch.zeros_like(values))  # where, not a product: -inf/NaN off-mask stay out
     totals = _sum(torch.stack([values.sum(), mask.sum()]), reduce)
     mean = totals[0] / totals[1].clamp(min=1.0)
     squares = _sum(torch.where(valid, (values - mean) ** 2, torch.zeros_like(values)).sum(), reduce)
-    var = squares / (totals[1] - 1).clamp(min=1.0)
+    var = squares / (totals[1] - ddof).clamp(min=1.0)
     return mean, var
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + 1e-8)`` over the valid tokens of the global batch; padding stays 0."""
-    mean, var = masked_moments(values, mask, reduce)
-    return torch.where(mask.bool(), (values - mean) * torch.rsqrt(var + WHITEN_EPS), torch.zeros_like(values))
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None,
+                  convention: Whitening = "verl") -> torch.Tensor:
+    """Whiten over the valid tokens of the global batch; padding stays 0. ``verl`` (masked_whiten):
+    ``(x - mean) / sqrt(var + 1e-8)`` with the unbiased variance (divided by n - 1); ``openrlhf`` (its experience
+    maker): ``(x - mean) / sqrt(max(var, 1e-8))`` with the population variance (divided by n). They differ by a factor
+    ``sqrt((n - 1) / n)`` (and near zero variance)."""
+    if convention == "openrlhf":
+        mean, var = masked_moments(values, mask, reduce, ddof=0)
+        scale = torch.rsqrt(var.clamp(min=WHITEN_EPS))
+    else:
+        mean, var = masked_moments(values, mask, reduce)
+        scale = torch.rsqrt(var + WHITEN_EPS)
+    return torch.where(mask.bool(), (values - mean) * scale, torch.zeros_like(values))
 
 
 def torch_distributed_sum(t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from trl_ext import Need, Plugin, Slot, hookimpl
 from trl_ext_plugins.advantages.critic import CriticCheckpointCallback, critic_from_path, critic_from_policy
 from trl_ext_plugins.advantages.math import (
+    Whitening,
     clipped_value_loss,
     explained_variance,
     gae,
@@ -71,6 +72,9 @@ class PPOParams(RewardKLParams):
                              "1.0 only so TRL computes the reference log-probs.")
     whiten_advantages: bool = Field(True, description="Whiten the advantages over the valid tokens of the global "
                                     "batch (verl/OpenRLHF GAE default).")
+    whitening: Whitening = Field("verl", description="How whiten_advantages whitens: verl (default; unbiased "
+                                 "variance, (x - mean) / sqrt(var + 1e-8)) or openrlhf (population variance, (x - mean) "
+                                 "/ sqrt(max(var, 1e-8))).")
 
     @model_validator(mode="after")
     def _path_given(self):
@@ -87,7 +91,9 @@ class PPO(RewardKLHooks, Plugin):
     ``r_t = 1[t = T] * R - kl_coef * KL_t`` (k1 on ``log pi_old - log pi_ref`` by default, k2/k3 selectable,
     optionally clamped to ``+-kl_clamp``; KL folded into the reward);
     GAE ``A_t = sum_l (gamma lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t``, ``V`` after the last token
-    0; the policy gets the ``(B, T)`` advantages (whitened over the global batch by default) and the GRPO trainer's
+    0; the policy gets the ``(B, T)`` advantages (whitened over the global batch by default, verl's unbiased variance
+    and ``sqrt(var + 1e-8)``; ``whitening: openrlhf`` for OpenRLHF's population variance and ``sqrt(max(var,
+    1e-8))``) and the GRPO trainer's
     clipped objective (``args.epsilon``, ``loss_type``). The critic, a separate module with its own AdamW optimizer,
     is then trained on the same rollout *before* the policy steps (verl's order) on targets ``R_t = A_t + V_t`` (with
     ``lam_critic``), loss ``c_v * mean_t max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2)``; with several ranks its
@@ -203,7 +209,7 @@ class PPO(RewardKLHooks, Plugin):
         if trainer is not None and trainer.model.training:
             batch.metrics["ppo/value_loss"] = self.update_critic(critic_inputs, old_values, returns, mask, batch)
         if p.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, reduce)
+            advantages = masked_whiten(advantages, mask, reduce, p.whitening)
         if self.in_critic_warmup(trainer):
             batch.metrics["ppo/critic_warmup"] = 1.0
             advantages = torch.zeros_like(advantages)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from trl_ext import NoParams, Plugin, Slot, hookimpl
+from trl_ext import Plugin, PluginParams, Slot, hookimpl
 from trl_ext_plugins.advantages.math import (
+    Whitening,
     discounted_returns,
     group_mean_baseline,
     masked_whiten,
@@ -23,7 +24,17 @@ from trl_ext_plugins.advantages.rollout import (
 )
 
 
+WHITENING_HELP = ("How the advantages are whitened over the global batch: verl (default; unbiased variance, "
+                  "(x - mean) / sqrt(var + 1e-8)) or openrlhf (population variance, (x - mean) / sqrt(max(var, "
+                  "1e-8))); they differ by sqrt((n - 1) / n) over n tokens.")
+
+
+class ReinforcePPBaselineParams(PluginParams):
+    whitening: Whitening = Field("verl", description=WHITENING_HELP)
+
+
 class ReinforcePPParams(RewardKLParams):
+    whitening: Whitening = Field("verl", description=WHITENING_HELP)
     kl_coef: float = Field(0.01, ge=0.0, description="beta of the per-token KL folded into the reward, "
                            "r_t = 1[t = last] * R - beta * KL_t (OpenRLHF init_kl_coef 0.01; 0: no reference).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of the token returns G_t (paper: 1).")
@@ -41,7 +52,9 @@ class ReinforcePP(RewardKLHooks, Plugin):
     ``G_t = sum_{s >= t} gamma^(s-t) r_s`` (gamma 1), then
     ``A_t = (G_t - mean) / std`` over the valid tokens of the *global* batch (all ranks; unbiased variance,
     ``sqrt(var + 1e-8)``; verl's masked_whiten) of the rows ``trl_ext_filter_groups`` kept. Returns ``(B, T)``
-    advantages for a PPO-clip objective.
+    advantages for a PPO-clip objective. ``whitening: openrlhf`` whitens as OpenRLHF does instead (population
+    variance, ``sqrt(max(var, 1e-8))``: a factor ``sqrt((n - 1) / n)`` apart over ``n`` tokens); OpenRLHF also clamps
+    the reward KL to +-10, which ``kl_clamp: 10`` reproduces (the default here is no clamp).
 
     Defaults (OpenRLHF): ``kl_coef`` 0.01, k1, gamma 1. The reference log-probs are computed whenever ``kl_coef > 0``
     (:class:`RewardKLHooks`): a recipe's non-zero ``args.beta`` also adds TRL's ``beta * k3`` KL term to the loss (as
@@ -69,14 +82,15 @@ class ReinforcePP(RewardKLHooks, Plugin):
               if self.params.kl_coef > 0 else None)
         per_token = token_rewards(torch.nan_to_num(local(rewards, batch)).float(), mask, kl, self.params.kl_coef)
         returns = discounted_returns(per_token, mask, self.params.gamma)
-        return masked_whiten(returns, mask, rank_reduce(batch))
+        return masked_whiten(returns, mask, rank_reduce(batch), self.params.whitening)
 
 
 class ReinforcePPBaseline(Plugin):
     """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262), for several samples per prompt.
 
     ``A' = R - mean_group(R)`` (group mean of scorable rows), broadcast to the sequence's tokens, then whitened over
-    the valid tokens of the *global* batch like ``reinforce_pp`` (unbiased variance, ``sqrt(var + 1e-8)``). No KL in
+    the valid tokens of the *global* batch like ``reinforce_pp`` (unbiased variance, ``sqrt(var + 1e-8)``; ``whitening:
+    openrlhf`` for OpenRLHF's population variance and ``sqrt(max(var, 1e-8))``). No KL in
     the reward: the paper puts KL in the loss as a separate k2 term; here it is the GRPO trainer's ``args.beta``
     term, which is TRL's k3 estimator. Unscorable rows, and rows ``trl_ext_filter_groups`` dropped, get advantage 0
     before whitening and are excluded from it.
@@ -86,7 +100,7 @@ class ReinforcePPBaseline(Plugin):
     family = "advantage"
     trainers = frozenset({"grpo"})
     slots = frozenset({Slot.ADVANTAGE})
-    Params = NoParams
+    Params = ReinforcePPBaselineParams
 
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
@@ -94,4 +108,4 @@ class ReinforcePPBaseline(Plugin):
         centred = local(rewards - group_mean_baseline(rewards, batch.num_generations), batch)
         mask = batch.loss_mask * (~torch.isnan(centred)).unsqueeze(-1)
         per_token = torch.nan_to_num(centred).float().unsqueeze(-1) * mask
-        return masked_whiten(per_token, mask, rank_reduce(batch))
+        return masked_whiten(per_token, mask, rank_reduce(batch), self.params.whitening)
