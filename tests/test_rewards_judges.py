@@ -150,6 +150,30 @@ def test_reasoning_mode_changes_the_instruction_and_reads_the_last_verdict():
     assert "scale of 0 to 10" in backend.seen[0]
 
 
+def test_a_collective_judge_is_called_on_a_rank_without_pairs():
+    """Evaluation may split a prompt's group across ranks (TRL only asks that the global eval batch hold whole groups),
+    leaving a rank groups of one answer and no pair to judge. The policy judge gathers every rank's call count, so it
+    must still be called there (with no texts), or the other ranks wait in that gather; an endpoint judge is not."""
+    calls = []
+
+    class Collective(FakeJudge):
+        collective = True
+
+        def generate(self, texts):
+            calls.append(list(texts))
+            return super().generate(texts)
+
+    stats = judging.JudgeStats("t")
+    assert judging.judge_groups(Collective(always_a), ["q", "r"], [[0], [1]], ["x", "y"], judging.PAIRWISE_TEMPLATE,
+                                "", stats) == [{}, {}]
+    assert calls == [[]]
+    endpoint = FakeJudge(always_a)
+    endpoint.generate = lambda texts: calls.append(("endpoint", list(texts))) or []
+    judging.judge_groups(endpoint, ["q"], [[0]], ["x"], judging.PAIRWISE_TEMPLATE, "", stats)
+    assert calls == [[]]
+    assert judging.PolicyJudge.collective and not getattr(judging.EndpointJudge, "collective", False)
+
+
 def test_pairwise_order_swap_consistency():
     answers = ["xx", "x", "xxx"]
     # a position-biased judge: after averaging every pair is a coin flip and P(A>B) + P(B>A) = 1

@@ -383,7 +383,10 @@ class LocalJudge:
 class PolicyJudge:
     """The model a trainer is training, used as judge (``self_judge``): generation under ``no_grad``, in eval mode,
     the training mode restored afterwards. ``last_sequences`` keeps the (judge prompt ids, verdict ids) of the last
-    ``generate`` call, in request order, for training the judging."""
+    ``generate`` call, in request order, for training the judging. ``collective``: with several processes every rank
+    must call ``generate``, also with no texts (it gathers the call counts of all ranks)."""
+
+    collective = True
 
     def __init__(self, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 16,
                  use_chat_template: bool = True):
@@ -495,7 +498,9 @@ def judge_groups(backend, prompts: Sequence[str], groups: Sequence[Sequence[int]
     jobs = pair_jobs(groups)
     texts = [template.format(prompt=prompts[groups[g][0]], answer_a=answers[groups[g][a]],
                              answer_b=answers[groups[g][b]], instruction=instruction) for g, a, b in jobs]
-    replies = backend.generate(texts) if texts else []
+    # a collective backend (the policy judging itself) is called on every rank, also one holding no pair: during
+    # evaluation TRL may split a prompt's group across ranks, leaving a rank only groups of one answer
+    replies = backend.generate(texts) if texts or getattr(backend, "collective", False) else []
     out: list[dict[tuple[int, int], float | None]] = [{} for _ in groups]
     for (g, a, b), reply in zip(jobs, replies, strict=True):
         verdict = parse_preference(reply)
