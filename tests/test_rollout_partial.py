@@ -591,3 +591,26 @@ def test_repeat_period_longer_than_half_the_window_is_refused(trl_ext_catalog, r
     with pytest.raises(RecipeError, match=r"plugins\[0\]\.params.*repeat_max_period \(5\) must be at most half of "
                                           r"repeat_window \(8\)"):
         resolve_stage(stage, 0, trl_ext_catalog)
+
+
+def test_an_overfull_buffer_resumes_the_most_deferred_groups_first(tiny_trainer):
+    """After a resume on fewer processes a rank can hold more groups than one round takes: the groups at the deferral
+    bound go first (and are finished), and the groups left waiting count the round as a deferral."""
+    from trl_ext_plugins.rollout.partial_rollout import PendingGroup, Trajectory
+
+    plugin = PartialRollout(PartialRollout.Params(finish_fraction=0.25, max_deferrals=2))
+    data = arithmetic_dataset("train", format="prompt", size=64)
+    trainer = tiny_trainer("grpo", plugins=[plugin], dataset=data,
+                           args={"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 12,
+                                 "temperature": 1.0})
+    trainer.model.train()
+    eos_bias(trainer, bias=-4.0)  # EOS unlikely: nothing finishes unless forced
+    plugin.buffer = [PendingGroup([data[i]] * 4, [Trajectory([5], [-1.0], [0]) for _ in range(4)], deferrals=d)
+                     for i, d in enumerate([1, 2, 0, 2])]
+    trainer.state.global_step = 1
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions(_rows(data, 8)[:8])
+    record = plugin.history[-1]
+    assert record["partial_rollout/forced_groups"] == 2  # the two groups at the bound took the two slots
+    assert (out["completion_mask"].sum(1) > 0).all()  # and finished, so both train
+    assert sorted(g.deferrals for g in plugin.buffer) == [1, 2]  # the other two waited a round: 0 -> 1, 1 -> 2

@@ -191,7 +191,9 @@ class PartialRollout(Plugin):
       decodes until that group's unfinished members reach EOS or the cap, whatever lambda says, and no trained token is
       more than ``k`` generation rounds old (``k`` optimizer steps with TRL's default of one step per generation
       batch). The bound counts rounds, not optimizer steps, so it holds with ``steps_per_generation`` and
-      ``num_iterations`` too; ``partial_rollout/forced_groups`` logs how many groups a round had to finish;
+      ``num_iterations`` too; ``partial_rollout/forced_groups`` logs how many groups a round had to finish. A buffer
+      larger than a round's groups (only after resuming on fewer processes) resumes its most deferred groups first,
+      and a group left waiting counts that round as a deferral;
     * repeat detection (``repeat_window``, off by default): Kimi k1.5 says its rollout system detects repeated content
       during decoding and ends such rollouts early, with a penalty, but gives no rule. The rule here: a trajectory
       whose last ``repeat_window`` completion tokens repeat one block of at most ``repeat_max_period`` tokens (default
@@ -365,7 +367,11 @@ class PartialRollout(Plugin):
                              f"trajectories, but num_generations is {G}; resume with the num_generations it was "
                              "saved with")
         capacity = len(inputs) // G
+        if len(self.buffer) > capacity:  # only after resuming on fewer processes: the most deferred groups go first
+            self.buffer.sort(key=lambda group: -group.deferrals)
         resumed, self.buffer = self.buffer[:capacity], self.buffer[capacity:]
+        for group in self.buffer:  # left waiting a whole round: one deferral more
+            group.deferrals += 1
         rows = [row for group in resumed for row in group.rows] + list(inputs[: len(inputs) - G * len(resumed)])
         self._plan = [copy.deepcopy(s) for group in resumed for s in group.samples]
         self._plan += [None] * (len(inputs) - len(self._plan))
