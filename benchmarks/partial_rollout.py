@@ -35,6 +35,19 @@ six GRPO seeds: lambda 0.75 + tis 0.444 against TRL at 8 x 8 per step 0.429), an
   0 1 2`` (warm-up 0.465): 0.56 / 0.53 of TRL's rollout seconds per step (seeds 1 / 2), 1.16 / 1.12 per trained
   trajectory; held-out, mean of three seeds, TRL 0.543 / 0.587 / 0.503 at 25.6k / 38.4k / 51.2k trajectories, lambda
   0.75 0.387 / 0.532 / 0.527 at about 25k / 39k / 53k (0.530 at the end, 60k).
+- ``--max-deferrals`` (the plugin's bound on how often a group waits):
+  - ``--held-out 200 --partial-steps 400 --fractions 0.75 --long-tail 0.1 --eval-every 100 --grpo-seeds 0 1
+    --max-deferrals none 1``, then ``--held-out 400 --partial-steps 700 ... --grpo-seeds 2 3 --max-deferrals 1``
+    (warm-up 0.465).
+  - With the bound at 1 the held-out reads 0.430 / 0.415 / 0.484 at about 8k / 16k / 24k trajectories (four seeds).
+    Unbounded reads 0.383 / 0.378 at about 8k / 13k, and 0.480 at 18k (seeds 0 and 1).
+  - TRL reads 0.488 / 0.523 at 12.8k / 25.6k.
+  - At about 52k (seeds 2 and 3) the bound reads 0.560 against TRL's 0.508.
+  - Time was not measured in these runs: the CPU was shared. On an idle CPU, ``--held-out 100 --partial-steps 100
+    --fractions 0.75 --long-tail 0.1 --grpo-seeds 0 --max-deferrals none 1``: rollout seconds per step were 0.55 of
+    TRL's with the bound and 0.21 without it; per trained trajectory 0.87 and 0.62.
+  - Speed, ``--rollouts 16 --fractions 0.75 --max-deferrals none 1 2``, run twice: 0.56 / 0.62 of TRL's seconds per
+    step with the bound of 1, 0.54 / 0.58 unbounded.
 Before the fix:
 - speed, ``--fractions 0.75 0.9`` (defaults above): rollout seconds per step 0.58 and 0.85 of TRL's, per trained
   trajectory 1.06 and 1.08; ``--fractions 1.0`` 1.03 (1.14 with ``--batch 128 --generations 8
