@@ -140,6 +140,27 @@ def test_aggregation_modes(mode, constant, expected):
     assert torch.all(grad[mask == 0] == 0)  # masked tokens get exactly zero gradient
 
 
+@pytest.mark.parametrize("mode, count, exclude", [("seq-mean-token-mean", 1.0, 2.0), ("seq-mean-token-sum", 2.0, 4.0)])
+def test_empty_rows_exclude_leaves_fully_masked_rows_out_of_the_row_count(mode, count, exclude):
+    """OpenRLHF's test_loss_batch_info_excludes_fully_masked_sequences: losses [[1, 3], [5, 7]], the second row fully
+    masked: its seq-mean is (1 + 3) / 2 over the one non-empty row = 2.0 (token-sum: 4.0); TRL's convention, the
+    default, counts the empty row: half that. The masked row gets zero gradient either way."""
+    loss = torch.tensor([[1.0, 3.0], [5.0, 7.0]], dtype=D, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=D)
+    li = make_inputs(torch.zeros(2, 2), mask=mask)
+    for empty_rows, expected in (("count", count), ("exclude", exclude)):
+        plugin = agg.Aggregation(agg.Aggregation.Params(mode=mode, empty_rows=empty_rows))
+        value = plugin.trl_ext_aggregate_loss(per_token_loss=loss, mask=mask, inputs=li)
+        assert value.item() == pytest.approx(expected)
+        (grad,) = torch.autograd.grad(value, loss)
+        assert torch.all(grad[1] == 0)
+    # every row empty: 0, not NaN
+    plugin = agg.Aggregation(agg.Aggregation.Params(mode=mode, empty_rows="exclude"))
+    assert plugin.trl_ext_aggregate_loss(per_token_loss=loss, mask=torch.zeros_like(mask), inputs=li).item() == 0.0
+    with pytest.raises(ValueError, match="empty_rows: exclude applies to seq-mean-token-mean and seq-mean-token-sum"):
+        agg.Aggregation.Params(mode="token-mean", empty_rows="exclude")
+
+
 def test_token_mean_is_global_and_accumulation_aware():
     # TRL dapo normaliser: num_items_in_batch (global generation batch) / processes * GA / steps_per_generation
     loss = torch.ones(2, 3, dtype=D)
@@ -150,15 +171,17 @@ def test_token_mean_is_global_and_accumulation_aware():
     assert value.item() == pytest.approx(6 / 24)  # 4 micro-batches of 6 tokens sum to 1
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "batch-token-mean", "token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-def test_filtered_rows_leave_every_denominator_as_if_removed(mode):
+@pytest.mark.parametrize("mode, empty_rows", [
+    ("token-mean", "count"), ("batch-token-mean", "count"), ("token-sum", "count"), ("seq-mean-token-mean", "count"),
+    ("seq-mean-token-sum", "count"), ("seq-mean-token-sum-norm", "count"), ("seq-mean-token-mean", "exclude"),
+    ("seq-mean-token-sum", "exclude")])
+def test_filtered_rows_leave_every_denominator_as_if_removed(mode, empty_rows):
     # Four rows of which two were filtered by trl_ext_filter_groups (zero mask): with kept_row_fraction 0.5 every mode
     # gives what it gives on the two kept rows alone, in two micro-batches of a generation batch whose global token
     # count is that of the kept rows (as the trainer recomputes it). The kept rows sit one in each micro-batch.
     losses = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0], [5.0, 7.0, 9.0], [4.0, 4.0, 4.0]], dtype=D)
     mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=D)
-    plugin = agg.Aggregation(agg.Aggregation.Params(mode=mode))
+    plugin = agg.Aggregation(agg.Aggregation.Params(mode=mode, empty_rows=empty_rows))
 
     def value(rows, fraction, micro_batches):
         total = 0.0
@@ -170,7 +193,8 @@ def test_filtered_rows_leave_every_denominator_as_if_removed(mode):
         return total
 
     assert value([0, 1, 2, 3], 0.5, 2) == pytest.approx(value([0, 2], 1.0, 2))
-    if mode.startswith("seq-mean"):  # the row count used to include the filtered rows: half the kept rows' value
+    if mode.startswith("seq-mean") and empty_rows == "count":  # the row count used to include the filtered rows:
+        # half the kept rows' value (empty_rows: exclude never counts a row without tokens, whatever the kept share)
         assert value([0, 1, 2, 3], 1.0, 2) == pytest.approx(0.5 * value([0, 2], 1.0, 2))
 
 

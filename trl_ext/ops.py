@@ -128,12 +128,30 @@ def seq_mean_token_mean(per_token_loss: torch.Tensor, mask: torch.Tensor) -> tor
     """Mean over each sequence's tokens, then over sequences (GRPO paper, GSPO, SAPO; TRL ``grpo``). Every row counts
     in the mean over sequences, also one whose tokens are all masked (it contributes 0), as TRL; rows a group filter
     masked are taken out of that count by the caller (``trl_ext.trainers.grpo.per_kept_row``)."""
-    return (where_mask(per_token_loss, mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    return row_token_means(per_token_loss, mask).mean()
+
+
+def row_token_sums(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: each row's loss summed over its valid tokens (0 for a row without any)."""
+    return where_mask(per_token_loss, mask).sum(-1)
+
+
+def row_token_means(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: each row's loss averaged over its valid tokens (0 for a row without any)."""
+    return row_token_sums(per_token_loss, mask) / mask.sum(-1).clamp(min=1.0)
+
+
+def nonempty_row_mean(row_losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of per-row losses over the rows with at least one valid token (verl's ``agg_loss`` seq-mean modes and
+    OpenRLHF's loss batch info leave fully masked rows out of the count); 0 when every row is empty."""
+    nonempty = mask.sum(-1) > 0
+    total = torch.where(nonempty, row_losses, torch.zeros_like(row_losses)).sum()
+    return total / nonempty.sum().clamp(min=1)
 
 
 def seq_mean_token_sum(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over each sequence's tokens, then mean over sequences (verl ``seq-mean-token-sum``)."""
-    return where_mask(per_token_loss, mask).sum(-1).mean()
+    return row_token_sums(per_token_loss, mask).mean()
 
 
 def token_sum(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trl_ext import Plugin, PluginParams, Slot, hookimpl, ops
 
@@ -42,6 +42,14 @@ def _seq_mean_token_sum(loss, mask, li, constant):
     return _per_row(ops.seq_mean_token_sum(loss, mask), li)
 
 
+def _over_nonempty_rows(row_losses):
+    """empty_rows: exclude. The mean over the micro-batch's rows that have a valid token; rows a group filter dropped
+    have none, so no re-basing on the kept share is needed."""
+    def aggregate(loss, mask, li, constant):
+        return _grpo_helpers()[1](ops.nonempty_row_mean(row_losses(loss, mask), mask), li)
+    return aggregate
+
+
 def _seq_mean_token_sum_norm(loss, mask, li, constant):
     return _per_row(ops.constant_normalized(loss, mask, constant or li.max_completion_length), li)
 
@@ -55,6 +63,11 @@ AGGREGATIONS = {
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
+# empty_rows: exclude replaces the two modes that divide by a row count
+EXCLUDING_EMPTY_ROWS = {
+    "seq-mean-token-mean": _over_nonempty_rows(ops.row_token_means),
+    "seq-mean-token-sum": _over_nonempty_rows(ops.row_token_sums),
+}
 
 
 class AggregationParams(PluginParams):
@@ -67,6 +80,17 @@ class AggregationParams(PluginParams):
         "sequences (verl 'seq-mean-token-sum'); seq-mean-token-sum-norm: sum / (B * L) with a constant L (Dr. GRPO; "
         "TRL 'dr_grpo').")
     constant: int | None = Field(None, gt=0, description="L for seq-mean-token-sum-norm; None = args.max_completion_length.")
+    empty_rows: Literal["count", "exclude"] = Field(
+        "count", description="seq-mean-token-mean and seq-mean-token-sum: whether a row with no valid token (e.g. cut by "
+        "the cap under mask_truncated_completions) counts in the mean over sequences. count: it adds 0 and counts "
+        "(TRL, the default); exclude: it is left out of the count (verl's agg_loss, OpenRLHF), per micro-batch.")
+
+    @model_validator(mode="after")
+    def _empty_rows_applies(self):
+        if self.empty_rows == "exclude" and self.mode not in EXCLUDING_EMPTY_ROWS:
+            raise ValueError(f"empty_rows: exclude applies to {' and '.join(EXCLUDING_EMPTY_ROWS)}, not to mode "
+                             f"{self.mode!r}")
+        return self
 
 
 class Aggregation(Plugin):
@@ -84,7 +108,11 @@ class Aggregation(Plugin):
     removed from the batch, as verl and slime remove them. Masked tokens (completion padding, tool tokens, and token masks from corrections
     such as ``m2po``) count in no denominator: for ``token-mean`` the global count is the mask-aware one the loss
     pipeline computes (``trl_ext.trainers.grpo.mask_aware_token_count``); zero *weights* (``icepop``, ``tis``, ``mis``)
-    keep their tokens in it (convention 8). Without this plugin the trainer aggregates as TRL does for
+    keep their tokens in it (convention 8). A row with no valid token at all (cut by the cap under
+    ``mask_truncated_completions``, or all tool tokens) counts in the two row-count means and adds 0, as in TRL
+    (``empty_rows: count``, the default). ``empty_rows: exclude`` leaves it out of the count, as verl's ``agg_loss``
+    and OpenRLHF do, counted per micro-batch like every mode here (given the global batch size, verl counts over
+    the whole mini-batch). Without this plugin the trainer aggregates as TRL does for
     ``args.loss_type``, which each objective plugin sets to its paper's choice. Default ``token-mean``.
     """
 
@@ -97,4 +125,5 @@ class Aggregation(Plugin):
 
     @hookimpl
     def trl_ext_aggregate_loss(self, per_token_loss, mask, inputs):
-        return AGGREGATIONS[self.params.mode](per_token_loss, mask, inputs, self.params.constant)
+        table = EXCLUDING_EMPTY_ROWS if self.params.empty_rows == "exclude" else AGGREGATIONS
+        return table[self.params.mode](per_token_loss, mask, inputs, self.params.constant)
