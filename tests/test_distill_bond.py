@@ -1,6 +1,5 @@
 """``bond``: BoN log-density advantages by hand, the forward (SFT on best-of-N) term, the EMA anchor, bad input."""
 
-import importlib.util
 import math
 
 import pytest
@@ -11,6 +10,7 @@ from trl_ext.recipe import StageSpec
 from trl_ext.stage import resolve_stage
 from trl_ext_plugins.distill import math as dm
 from trl_ext_plugins.distill.bond import BEST_KEY, BOND, BONDParams, best_in_group, bon_nll, bond_advantages
+from tests.markers import NEEDS_DEEPSPEED
 
 
 def test_advantages_by_hand():
@@ -137,7 +137,7 @@ def test_bon_nll_is_a_token_mean_over_every_ranks_best_samples():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an extra")
+@NEEDS_DEEPSPEED
 def test_ema_anchor_under_zero3_moves_and_resumes_as_on_one_process(tmp_path):
     """ZeRO-3 keeps each parameter as this rank's partition (``.data`` empty): the EMA update crashed at the first step
     (size 0 against the policy's persistent small tensors) and the checkpointed anchor was written as size-0 tensors.

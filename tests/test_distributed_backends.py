@@ -13,7 +13,6 @@ accelerate does not enable FSDP for CPU process groups (the ranks would run DDP)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -24,10 +23,8 @@ import torch
 
 from trl_ext.launch import already_launched, backend_args, launch_command
 from trl_ext.recipe import DistributedSpec, parse_recipe
+from tests.markers import HAS_DEEPSPEED, NEEDS_DEEPSPEED
 
-HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is an extra: pip install 'trl-ext[deepspeed]' "
-                                                               "(.ci/run installs it for this file)")
 # accelerate enables FSDP only for GPU process groups (CPU ranks stay MULTI_CPU under DDP), so trl-ext refuses fsdp2
 # without CUDA and the FSDP2 cases run only where there is a GPU.
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2 needs CUDA (refused on CPU)")

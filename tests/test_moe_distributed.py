@@ -4,7 +4,6 @@ exactly. FSDP2 needs CUDA (refused on CPU, where accelerate would run the ranks 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,9 +11,7 @@ import sys
 import pytest
 import torch
 
-NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is an extra: pip install 'trl-ext[deepspeed]' (.ci/run installs "
-                                            "it for the slow tests)")
+from tests.markers import NEEDS_DEEPSPEED
 
 
 # accelerate enables FSDP only for GPU process groups; trl-ext refuses fsdp2 without CUDA (CPU ranks would run DDP)

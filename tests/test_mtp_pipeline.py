@@ -4,7 +4,6 @@ completions cached, acceptance measured before/after and for the heads_from chec
 trunk untouched by the mtp stages, the healed folder loading through transformers with its heads. The acceptance
 figures of the full recipe are measured by running it (see the plugin's report); a few steps here prove no trend."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import yaml
 from trl_ext.catalog import Catalog
 from trl_ext.recipe import parse_recipe
 from trl_ext.runner import run_recipe
+from tests.markers import NEEDS_DEEPSPEED
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "mtp_heads.yaml"
 
@@ -79,7 +79,7 @@ def test_mtp_healing_recipe_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an extra")
+@NEEDS_DEEPSPEED
 def test_mtp_heads_stage_on_two_deepspeed_processes(tmp_path):
     """mtp_heads saved the starting model from the main process with ``trainer.save_model`` before training, whose
     DeepSpeed path (ZeRO-2 too) needs the engine that does not exist yet: 'MtpModel' object has no attribute

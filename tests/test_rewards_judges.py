@@ -1,7 +1,6 @@
 """llm_judge, checklist_judge, self_judge: verdict parsing, order averaging, fallbacks, HTTP judge, checklists,
 Copeland self-judging, and the llm_judge recipe end to end."""
 
-import importlib.util
 import json
 import threading
 import time
@@ -21,6 +20,7 @@ from trl_ext_plugins.rewards.checklist_judge import (ChecklistJudge, ChecklistJu
 from trl_ext_plugins.rewards.llm_judge import LLMJudge, LLMJudgeParams, pairwise_rewards
 from trl_ext_plugins.rewards.self_judge import (CONSISTENCY, SelfJudge, SelfJudgeParams, group_rewards,
                                                judge_policy_loss)
+from tests.markers import NEEDS_DEEPSPEED
 
 STAGE = StageSpec(trainer="grpo", model="x", dataset={"source": "embedded:arithmetic"})
 
@@ -672,7 +672,7 @@ def test_grpo_loss_with_judge_term_and_weight_zero_parity(tiny_trainer):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an extra")
+@NEEDS_DEEPSPEED
 def test_self_judge_under_zero3_with_uneven_judge_work_per_rank(tmp_path):
     """Four prompts, three of them equal, two per rank: one rank merges its two equal prompts into one group of 8
     (56 verdicts, 4 generate calls of 16), the other judges two groups of 4 (24 verdicts, 2 calls). Under ZeRO-3 on
