@@ -228,12 +228,12 @@ def test_recipes_validate(recipe, capsys):
 # -- TRL options the loss pipeline lacks are refused when a KL-in-the-reward plugin routes the loss there ------------
 
 
-@pytest.mark.parametrize("arg", [{"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01}, {"delta": 2.0},
-                                 {"off_policy_mask_threshold": 0.5}, {"loss_type": "vespo"}])
+@pytest.mark.parametrize("arg", [{"use_adaptive_entropy": True}, {"loss_type": "vespo"}])
 def test_reward_kl_plugins_refuse_trl_options_the_loss_pipeline_would_ignore(catalog, register_plugin, arg):
     """Dropping the loss KL (kl_coef > 0 with args.beta 0 or kl_in_loss false) makes the trainer run trl-ext's loss
-    pipeline, which has no entropy mask, entropy bonus, two-sided clip, off-policy mask, vespo or luspo: these were
-    accepted and then silently not applied."""
+    pipeline, which has no adaptive entropy controller, vespo or luspo: these were accepted and then silently not
+    applied. (The entropy filter and bonus, the off-policy mask and the two-sided clip it applies as TRL does:
+    tests/test_losses_parity.py.)"""
     register_plugin(ReinforcePP)
     key = next(iter(arg))
     with pytest.raises(RecipeError, match=rf"args\.{key}: .*reinforce_pp"):
@@ -253,8 +253,8 @@ def test_loss_pipeline_refuses_trl_options_at_the_first_loss(tiny_trainer):
     """A KL term replaced after validation (trl_ext_trainer_created) still cannot ignore TRL's options silently."""
     from trl_ext.ops import KLTerm
 
-    trainer = tiny_trainer("grpo", args={"top_entropy_quantile": 0.2})
+    trainer = tiny_trainer("grpo", args={"use_adaptive_entropy": True})
     trainer.kl_term = KLTerm("k3", coef=0.0)
     inputs = rollout(trainer, rows=4)
-    with pytest.raises(ValueError, match=r"args\.top_entropy_quantile: not supported"):
+    with pytest.raises(ValueError, match=r"args\.use_adaptive_entropy: not supported"):
         trainer._compute_loss(trainer.model, inputs)

@@ -47,10 +47,10 @@ def batch(seed=0):
     return theta, rollout, inputs
 
 
-def trainer_like(args, theta):
+def trainer_like(args, theta, entropies=None):
     """The attributes TRL's _compute_loss and trl-ext's _plugin_loss read, with TRL's defaults overridden by ``args``
     (gradient accumulation 2, 2 steps per generation, completions of 8: the TRL fixtures' trainer-like object)."""
-    return grpo_trainer_like(args, theta)
+    return grpo_trainer_like(args, theta, entropies)
 
 
 def plugin_args(plugins):
@@ -67,13 +67,16 @@ def loss_and_grad(fn, t, leaf, inputs):
     return loss.detach(), grad
 
 
-def assert_parity(plugins, trl_args, inputs_fn=None, trl_compute=GRPOTrainer._compute_loss):
+def assert_parity(plugins, trl_args, inputs_fn=None, trl_compute=GRPOTrainer._compute_loss, shared_args=None,
+                  entropies=None):
+    """``shared_args``: TRL options both paths get (TRL's options the pipeline re-expresses); ``entropies``: the forward
+    pass's entropies as a function of the current log-probs."""
     theta, rollout, inputs = batch()
     if inputs_fn is not None:
         inputs_fn(inputs, rollout)
-    ours, leaf = trainer_like(plugin_args(plugins), theta)
+    ours, leaf = trainer_like({**plugin_args(plugins), **(shared_args or {})}, theta, entropies)
     ours.plugin_host = PluginHost(plugins)
-    theirs, leaf2 = trainer_like(trl_args, theta)
+    theirs, leaf2 = trainer_like({**trl_args, **(shared_args or {})}, theta, entropies)
     l1, g1 = loss_and_grad(lambda t, m, i: t._plugin_loss(m, i), ours, leaf, dict(inputs))
     l2, g2 = loss_and_grad(trl_compute, theirs, leaf2, dict(inputs))
     assert torch.allclose(l1, l2, atol=1e-6, rtol=0), (l1, l2)
@@ -216,3 +219,122 @@ def test_correction_parity_with_trl_vllm_modes(correction, objective, trl_args, 
     assert torch.allclose(l1, l2, atol=1e-6, rtol=0) and torch.allclose(g1, g2, atol=1e-6, rtol=0)
     changed = ours._metrics["train"][f"{correction.name}/changed_fraction"][0]
     assert 0 < changed < 1  # the batch exercises both kept and truncated/masked tokens
+
+
+# -- TRL options the loss pipeline re-expresses (TrlLossOptions): off-policy sequence mask, entropy filter and bonus,
+# two-sided clip, each against TRL's own _compute_loss -----------------------------------------------------------
+
+
+def entropy_of(logps):
+    """Per-token entropies that depend on the current log-probs (so TRL's bonus has a gradient), distinct per token."""
+    return 0.5 - logps * torch.exp(logps) + 0.1 * logps ** 2
+
+
+def opsm_threshold(sampler_key=None):
+    """A threshold between the mean sampled-token KL of the two negative-advantage rows of :func:`batch`, so the mask
+    drops one of them and keeps the other."""
+    theta, rollout, inputs = batch()
+    sampler = rollout if sampler_key == "sampling" else inputs["old_per_token_logps"]
+    mask = inputs["completion_mask"].to(D)
+    kl = ((sampler - theta) * mask).sum(1) / mask.sum(1)
+    low, high = sorted([kl[1].item(), kl[3].item()])
+    assert high - low > 0.02, (low, high)
+    return (low + high) / 2
+
+
+def with_sampling(inputs, rollout):
+    inputs["sampling_per_token_logps"] = rollout
+
+
+@pytest.mark.parametrize("plugins, trl_args, shared, inputs_fn", [
+    ([GRPO()], {"loss_type": "grpo"}, {"off_policy_mask_threshold": opsm_threshold()}, None),
+    ([DAPO()], {"loss_type": "dapo", "epsilon_high": 0.28}, {"off_policy_mask_threshold": opsm_threshold()}, None),
+    ([CISPO()], {"loss_type": "cispo", "epsilon_high": 5.0}, {"off_policy_mask_threshold": opsm_threshold()}, None),
+    ([GRPO()], {"loss_type": "grpo"}, {"off_policy_mask_threshold": opsm_threshold("sampling")}, with_sampling),
+    ([GRPO()], {"loss_type": "grpo"}, {"top_entropy_quantile": 0.4}, None),
+    ([DAPO()], {"loss_type": "dapo", "epsilon_high": 0.28}, {"top_entropy_quantile": 0.2}, None),
+    ([GRPO()], {"loss_type": "grpo"}, {"entropy_coef": 0.05}, None),
+    ([DAPO()], {"loss_type": "dapo", "epsilon_high": 0.28}, {"entropy_coef": 0.05, "top_entropy_quantile": 0.5}, None),
+    ([GRPO(), Aggregation(Aggregation.Params(mode="token-mean"))], {"loss_type": "dapo"},
+     {"off_policy_mask_threshold": opsm_threshold(), "top_entropy_quantile": 0.5, "entropy_coef": 0.05}, None),
+    ([Aggregation(Aggregation.Params(mode="token-mean"))], {"loss_type": "dapo"}, {"delta": 1.25}, None),
+    ([Aggregation(Aggregation.Params(mode="seq-mean-token-mean"))], {"loss_type": "grpo"}, {"delta": 1.1}, None),
+], ids=["opsm-grpo", "opsm-dapo", "opsm-cispo", "opsm-sampler", "entropy-mask", "entropy-mask-dapo", "entropy-bonus",
+        "entropy-bonus-masked", "all-three", "delta-dapo", "delta-below-clip"])
+def test_trl_options_the_pipeline_applies_match_trl(plugins, trl_args, shared, inputs_fn):
+    """These options were refused whenever a plugin routed the loss through trl-ext's pipeline; they now apply as in
+    TRL 1.16 (same tokens dropped, same denominators, the bonus with its gradient), and each one changes the loss."""
+    loss, grad = assert_parity(plugins, trl_args, inputs_fn, shared_args=shared, entropies=entropy_of)
+    plain, plain_grad = assert_parity(plugins, trl_args, inputs_fn, entropies=entropy_of)
+    assert not torch.allclose(loss, plain, atol=1e-9) or not torch.allclose(grad, plain_grad, atol=1e-9)
+
+
+def test_off_policy_mask_drops_whole_negative_sequences_over_the_threshold():
+    """DeepSeek-V3.2 Eq. 9 by hand: of the two negative-advantage rows, the one whose mean KL exceeds the threshold
+    has no gradient; the other rows keep theirs."""
+    theta, _, inputs = batch()
+    mask = inputs["completion_mask"].to(D)
+    kl = ((inputs["old_per_token_logps"] - theta) * mask).sum(1) / mask.sum(1)
+    dropped = 1 if kl[1] > kl[3] else 3
+    _, grad = assert_parity([GRPO()], {"loss_type": "grpo"}, shared_args={"off_policy_mask_threshold": opsm_threshold()})
+    for row in range(B):
+        has_grad = bool(grad[row].abs().sum() > 0)
+        assert has_grad == (row != dropped), (row, dropped)
+
+
+def test_grpo_dual_clip_is_trls_delta_above_the_clip():
+    """The validation message sends delta users with an objective plugin to grpo's dual_clip: the same loss and
+    gradient as TRL's two-sided clip for delta >= 1 + epsilon_high."""
+    assert_parity([GRPO(GRPO.Params(dual_clip=1.25))], {"loss_type": "grpo", "delta": 1.25})
+
+
+def test_delta_is_refused_with_an_objective_plugin_and_applied_without_one():
+    from trl_ext.catalog import Catalog
+    from trl_ext.errors import RecipeError
+    from trl_ext.recipe import StageSpec
+    from trl_ext.stage import resolve_stage
+
+    def stage(plugins, **args):
+        return StageSpec(trainer="grpo", model="embedded:tiny-qwen2", dataset="embedded:arithmetic",
+                         plugins=[*plugins, "exact_match"], args=args)
+
+    catalog = Catalog.discover()
+    with pytest.raises(RecipeError, match=r"args\.delta: applies to TRL's own objective only.*'cispo'.*dual_clip"):
+        resolve_stage(stage(["cispo"], delta=2.0), 0, catalog)
+    for options in ({"delta": 2.0}, {"off_policy_mask_threshold": 0.5}, {"top_entropy_quantile": 0.2},
+                    {"entropy_coef": 0.01}):
+        resolve_stage(stage([{"aggregation": {"mode": "token-mean"}}], loss_type="dapo", **options), 0, catalog)
+    for options in ({"off_policy_mask_threshold": 0.5}, {"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01}):
+        resolve_stage(stage(["cispo"], **options), 0, catalog)
+    with pytest.raises(RecipeError, match=r"args\.use_adaptive_entropy: not supported .*cispo"):
+        resolve_stage(stage(["cispo"], use_adaptive_entropy=True), 0, catalog)
+
+
+def test_trl_options_on_the_real_trainer_match_trls_own_loss(tiny_trainer):
+    """On a real GRPO trainer and rollout, the pipeline with the off-policy mask (a threshold below 0 drops every
+    negative-advantage sequence on policy, where the KL is 0), the entropy filter and the bonus gives TRL's loss and
+    gradient (TRL's get_high_entropy_mask with the trainer's real accelerator)."""
+    args = {"loss_type": "grpo", "off_policy_mask_threshold": -1e-9, "top_entropy_quantile": 0.5,
+            "entropy_coef": 0.05}
+    def length_reward(completions, **_):  # the untrained model earns nothing on the task; lengths vary
+        return [float(len(str(c)) % 5) for c in completions]
+
+    trainer = tiny_trainer("grpo", args=args, reward_funcs=[length_reward])
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop; this test calls the loss
+    inputs = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(8)])
+    assert (inputs["advantages"] < 0).any() and (inputs["advantages"] > 0).any()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def loss_and_grads(compute):
+        loss = compute(trainer.model, dict(inputs))
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    ours, our_grads = loss_and_grads(trainer._plugin_loss)
+    theirs, their_grads = loss_and_grads(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i))
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+    for a, b in zip(our_grads, their_grads):
+        assert torch.allclose(a, b, atol=1e-6)
+    trainer.off_policy_mask_threshold, trainer.top_entropy_quantile, trainer.entropy_coef = None, 1.0, 0.0
+    plain, _ = loss_and_grads(trainer._plugin_loss)
+    assert not torch.allclose(plain, ours, atol=1e-6)

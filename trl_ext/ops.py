@@ -24,14 +24,19 @@ def safe_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
-                       dual_clip: float | None = None) -> torch.Tensor:
+                       dual_clip: float | None = None, ratio_cap: float | None = None) -> torch.Tensor:
     """Per-token loss -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) (PPO, arXiv 1707.06347; GRPO/DAPO use it per token).
 
     ``dual_clip`` c > 1 (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729; verl ``clip_ratio_c`` 3): for A < 0 the loss
     is further capped at -c*A, so a token with a huge ratio and a negative advantage cannot dominate (zero gradient
-    beyond the cap). ``None``: plain PPO."""
+    beyond the cap). ``None``: plain PPO.
+
+    ``ratio_cap`` delta (INTELLECT-2's two-sided clip, arXiv 2505.07291; TRL's ``delta``): the unclipped term uses
+    ``min(r, delta)``, as TRL does. For ``delta >= 1 + eps_high`` this is the same loss as ``dual_clip = delta`` (an A > 0
+    term is clipped at 1 + eps_high before the cap matters); below that it also caps A > 0 tokens at delta."""
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages)
+    unclipped = ratio if ratio_cap is None else torch.clamp(ratio, max=ratio_cap)
+    loss = -torch.min(unclipped * advantages, clipped * advantages)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
     return loss

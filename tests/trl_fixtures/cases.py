@@ -63,6 +63,7 @@ class OneProcess:
 
     num_processes = 1
     device = torch.device("cpu")
+    sync_gradients = True
 
     def gather(self, x):
         return x
@@ -70,6 +71,9 @@ class OneProcess:
     gather_for_metrics = gather
 
     def reduce(self, x, reduction="sum"):
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
         return x
 
 
@@ -103,34 +107,44 @@ def grpo_inputs(seed: int = 0) -> dict:
 
 _GRPO_DEFAULTS = {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "importance_sampling_level": "token",
                   "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "beta": 0.0,
-                  "use_bias_correction_kl": False, "use_vllm": False}
+                  "use_bias_correction_kl": False, "use_vllm": False, "off_policy_mask_threshold": None,
+                  "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "delta": None}
 
 
-def grpo_trainer_like(args: dict, theta: torch.Tensor):
+def grpo_trainer_like(args: dict, theta: torch.Tensor, entropies=None):
     """What TRL's _compute_loss and trl-ext's _plugin_loss read, TRL's defaults overridden by ``args`` (as in
-    tests/test_losses_parity.py, with the KL fields settable)."""
+    tests/test_losses_parity.py, with the KL, off-policy mask, entropy and delta fields settable). ``entropies``: a
+    function of the current log-probs giving the forward pass's per-token entropies (default zeros)."""
+    from trl import GRPOTrainer
+
     from trl_ext.ops import KLTerm
     from trl_ext.trainers.grpo import ExtGRPOTrainer
 
     leaf = theta.clone().requires_grad_(True)
     a = {**_GRPO_DEFAULTS, **args}
+    entropy_of = entropies or torch.zeros_like
     t = types.SimpleNamespace(
         loss_type=a["loss_type"], epsilon_low=a["epsilon"], epsilon_high=a["epsilon_high"] or a["epsilon"],
-        importance_sampling_level=a["importance_sampling_level"], beta=a["beta"], top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, use_vllm=a["use_vllm"], vllm_importance_sampling_correction=a["use_vllm"],
-        aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=GRAD_ACCUM,
+        importance_sampling_level=a["importance_sampling_level"], beta=a["beta"],
+        top_entropy_quantile=a["top_entropy_quantile"], entropy_coef=a["entropy_coef"], use_adaptive_entropy=False,
+        off_policy_mask_threshold=a["off_policy_mask_threshold"], use_vllm=a["use_vllm"],
+        vllm_importance_sampling_correction=a["use_vllm"],
+        aux_loss_enabled=False, _entropy_bonus_enabled=a["entropy_coef"] != 0.0,
+        current_gradient_accumulation_steps=GRAD_ACCUM,
         max_completion_length=MAX_COMPLETION, _loss_extra_keys=(), accelerator=OneProcess(),
         model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)}, temperature=1.0,
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=a["use_bias_correction_kl"],
+        args=types.SimpleNamespace(delta=a["delta"], use_bias_correction_kl=a["use_bias_correction_kl"],
                                    steps_per_generation=STEPS_PER_GEN, top_k=0, top_p=1.0, min_p=None,
                                    sapo_temperature_pos=a["sapo_temperature_pos"],
                                    sapo_temperature_neg=a["sapo_temperature_neg"]),
-        _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, torch.zeros_like(leaf), None),
+        _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, entropy_of(leaf), None),
     )
     t.kl_term = KLTerm("k3", bias_correction=t.args.use_bias_correction_kl)  # what ExtGRPOTrainer.__init__ sets
     for name in ("_plugin_loss", "_masked_global_mean", "_log_plugin_metrics", "_objective_is_ppo_clip",
                  "_clip_ratio_metrics"):
         setattr(t, name, types.MethodType(getattr(ExtGRPOTrainer, name), t))
+    t.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, t)
+    t.get_off_policy_mask = GRPOTrainer.get_off_policy_mask  # a staticmethod
     return t, leaf
 
 

@@ -17,6 +17,8 @@ TRL 1.16 internals relied on (re-check when widening the TRL pin):
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather
@@ -31,15 +33,46 @@ ROLLOUT_HOOKS = ("trl_ext_shape_rewards", "trl_ext_filter_groups", "trl_ext_comp
 LOSS_HOOKS = ("trl_ext_policy_loss", "trl_ext_token_weights", "trl_ext_aggregate_loss", "trl_ext_extra_loss")
 
 # TRL loss types re-expressed by trl-ext's loss pipeline (used when some plugin customises only part of the loss).
-# Objectives take (inputs, ratio) and return the per-token loss; aggregations take (loss, mask, inputs).
+# Objectives take (inputs, ratio, delta) and return the per-token loss; delta (TRL's two-sided clip) applies to TRL's
+# PPO-clip types only, as in TRL. Aggregations take (loss, mask, inputs).
 DEFAULT_OBJECTIVES = {
-    "grpo": lambda li, r: ops.ppo_clip_objective(r, li.advantages, li.epsilon_low, li.epsilon_high),
-    "bnpo": lambda li, r: ops.ppo_clip_objective(r, li.advantages, li.epsilon_low, li.epsilon_high),
-    "dr_grpo": lambda li, r: ops.ppo_clip_objective(r, li.advantages, li.epsilon_low, li.epsilon_high),
-    "dapo": lambda li, r: ops.ppo_clip_objective(r, li.advantages, li.epsilon_low, li.epsilon_high),
-    "cispo": lambda li, r: ops.cispo_objective(r, li.per_token_logps, li.advantages, li.epsilon_high),
-    "sapo": lambda li, r: ops.sapo_objective(r, li.advantages, li.extra["sapo_tau_pos"], li.extra["sapo_tau_neg"]),
+    **{loss_type: lambda li, r, delta: ops.ppo_clip_objective(r, li.advantages, li.epsilon_low, li.epsilon_high,
+                                                             ratio_cap=delta)
+       for loss_type in ops.PPO_CLIP_LOSS_TYPES},
+    "cispo": lambda li, r, delta: ops.cispo_objective(r, li.per_token_logps, li.advantages, li.epsilon_high),
+    "sapo": lambda li, r, delta: ops.sapo_objective(r, li.advantages, li.extra["sapo_tau_pos"],
+                                                    li.extra["sapo_tau_neg"]),
 }
+
+
+@dataclass(frozen=True)
+class TrlLossOptions:
+    """TRL 1.16 ``GRPOConfig`` options the loss pipeline applies where TRL's ``_compute_loss`` does, so a recipe that
+    sets them keeps their meaning when a plugin routes the loss through the pipeline (parity with TRL's own code:
+    tests/test_losses_parity.py). The two token filters drop tokens as TRL does: a zero loss with the tokens still in
+    the aggregation's denominator (a weight of 0 in convention 8's terms, applied with ``where``, not a mask).
+
+    * ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence mask, arXiv 2512.02556, Eq. 9): a sequence
+      with a negative advantage whose mean sampled-token ``log pi_sampler - log pi_theta`` exceeds the threshold
+      trains no token; TRL's own ``GRPOTrainer.get_off_policy_mask`` decides. ``pi_sampler`` is the batch's sampling
+      log-probs when it carries them, else ``pi_old``'s: TRL's rule, under which only vLLM provides them; here
+      ``rollout_logprobs`` and ``partial_rollout`` do too, so stale or resumed tokens count as the sampler saw them.
+    * ``top_entropy_quantile`` rho < 1 ("Beyond the 80/20 Rule", arXiv 2506.01939): only tokens whose entropy reaches
+      the ``1 - rho`` quantile of every rank's loss tokens train; ``high_entropy_mask`` is the trainer's own
+      ``get_high_entropy_mask`` (TRL's, which gathers the entropies over ranks, so every rank must call it).
+    * ``entropy_coef``: the loss minus ``entropy_coef`` x the mean entropy of the trained tokens (after the entropy
+      filter) of this micro-batch, divided by the accumulation steps only, whatever the aggregation (TRL's bonus).
+      TRL's adaptive controller (``use_adaptive_entropy``) is not re-expressed and is refused.
+    * ``delta`` (INTELLECT-2's two-sided clip, arXiv 2505.07291): the unclipped ratio of TRL's PPO-clip objectives is
+      capped at delta. A ``trl_ext_policy_loss`` plugin computes its own objective and does not read it, so ``delta``
+      is refused with one (``grpo``'s ``dual_clip: delta`` is the same loss for ``delta >= 1 + epsilon_high``).
+    """
+
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    delta: float | None = None
+    high_entropy_mask: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
 
 def scale_per_micro_batch(loss: torch.Tensor, ctx) -> torch.Tensor:
@@ -159,13 +192,15 @@ def mask_aware_token_count(num_items_in_batch, loss_mask: torch.Tensor, mask: to
 
 
 def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, importance_sampling_level: str = "token",
-                 importance_sampling_ratio: torch.Tensor | None = None, reduce=None):
+                 importance_sampling_ratio: torch.Tensor | None = None, reduce=None,
+                 trl_options: TrlLossOptions = TrlLossOptions(), entropies: torch.Tensor | None = None):
     """trl-ext's GRPO-family loss pipeline on one micro-batch, after the forward pass.
 
     Order: sanitise -> objective (``trl_ext_policy_loss`` or TRL's ``loss_type`` objective) -> token weights and masks
-    (``trl_ext_token_weights``: weights multiply, masks AND) -> TRL's vLLM ratio if given -> ``+ coef * KL`` (``kl``;
-    coef = ``kl.coef``, else ``args.beta``)
-    -> aggregation (``trl_ext_aggregate_loss`` or TRL's for ``loss_type``) -> ``+`` extra terms.
+    (``trl_ext_token_weights``: weights multiply, masks AND) -> TRL's off-policy sequence mask and entropy filter
+    (``trl_options``) -> TRL's vLLM ratio if given -> ``+ coef * KL`` (``kl``; coef = ``kl.coef``, else ``args.beta``)
+    -> aggregation (``trl_ext_aggregate_loss`` or TRL's for ``loss_type``) -> ``- entropy_coef * entropy`` (TRL's
+    bonus; ``entropies`` are the forward pass's, with their gradient) -> ``+`` extra terms. This is TRL's order.
 
     Conventions:
 
@@ -192,7 +227,7 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
 
     per_token_loss = host.hook.trl_ext_policy_loss(inputs=li)
     if per_token_loss is None:
-        per_token_loss = DEFAULT_OBJECTIVES[loss_type](li, trl_ratio(li, importance_sampling_level))
+        per_token_loss = DEFAULT_OBJECTIVES[loss_type](li, trl_ratio(li, importance_sampling_level), trl_options.delta)
 
     loss_mask, masked = mask, False
     for contribution in host.hook.trl_ext_token_weights(inputs=li):
@@ -201,6 +236,7 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
         if contribution.mask is not None:
             loss_mask = ops.where_mask(loss_mask, contribution.mask)
             masked = True
+    per_token_loss, entropy_kept = trl_token_filters(per_token_loss, li, trl_options)
     if importance_sampling_ratio is not None:  # TRL's vLLM correction, kept when a plugin changes the loss
         per_token_loss = per_token_loss * importance_sampling_ratio
     per_token_kl = None
@@ -213,26 +249,60 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
     loss = host.hook.trl_ext_aggregate_loss(per_token_loss=per_token_loss, mask=loss_mask, inputs=li)
     if loss is None:
         loss = DEFAULT_AGGREGATIONS[loss_type](per_token_loss, loss_mask, li)
+    if trl_options.entropy_coef != 0.0:
+        if entropies is None:
+            raise ValueError("entropy_coef needs the forward pass's entropies")
+        trained = mask if entropy_kept is None else ops.where_mask(mask, entropy_kept)
+        mean_entropy = ops.where_mask(entropies, trained).sum() / trained.sum().clamp(min=1.0)
+        loss = loss - trl_options.entropy_coef * mean_entropy / li.grad_accum_steps
     for term in host.hook.trl_ext_extra_loss(inputs=li):
         loss = loss + term
     return loss, loss_mask, per_token_kl
 
 
-# TRL features the trl-ext loss pipeline does not re-implement; refused at validation when a loss plugin is active.
+def trl_token_filters(per_token_loss: torch.Tensor, li: LossInputs,
+                      options: TrlLossOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's off-policy sequence mask and high-entropy filter (:class:`TrlLossOptions`) on ``per_token_loss``: dropped
+    tokens get a zero loss and stay in the denominator, as in TRL. Returns the loss and the entropy filter's kept
+    tokens (``None`` when off), which TRL's entropy bonus also averages over."""
+    if options.off_policy_mask_threshold is not None:
+        sampler = li.old_per_token_logps if li.sampling_per_token_logps is None else li.sampling_per_token_logps
+        keep = GRPOTrainer.get_off_policy_mask(advantages=li.advantages, per_token_logps=li.per_token_logps,
+                                               sampling_per_token_logps=sampler, mask=li.mask,
+                                               off_policy_threshold=options.off_policy_mask_threshold)
+        per_token_loss = torch.where(keep.bool(), per_token_loss, torch.zeros_like(per_token_loss))
+        li.metrics["off_policy_mask/dropped_fraction"] = float(1.0 - keep.float().mean())
+    entropy_kept = None
+    if options.top_entropy_quantile < 1.0:
+        if options.high_entropy_mask is None or li.entropies is None:
+            raise ValueError("top_entropy_quantile needs the entropies and the trainer's get_high_entropy_mask")
+        entropy_kept = options.high_entropy_mask(li.entropies, li.mask, 1 - options.top_entropy_quantile)
+        per_token_loss = torch.where(entropy_kept, per_token_loss, torch.zeros_like(per_token_loss))
+    return per_token_loss, entropy_kept
+
+
+# TRL features the trl-ext loss pipeline does not re-implement (refused at validation when a loss plugin is active),
+# with their neutral values; TrlLossOptions holds the ones it does.
 UNSUPPORTED_WITH_LOSS_PLUGINS = {
-    "off_policy_mask_threshold": None,
-    "top_entropy_quantile": 1.0,
-    "entropy_coef": 0.0,
     "use_adaptive_entropy": False,
-    "delta": None,
+}
+# re-expressed for TRL's own objectives only: refused when a trl_ext_policy_loss plugin computes the objective, with
+# what to use instead
+UNSUPPORTED_WITH_OBJECTIVE_PLUGINS = {
+    "delta": (None, "the grpo plugin's dual_clip set to delta is the same loss for delta >= 1 + epsilon_high"),
 }
 
 
-def loss_pipeline_conflicts(args: dict, where: str, active: list[str]) -> list[str]:
+def loss_pipeline_conflicts(args: dict, where: str, active: list[str], objectives: list[str] = ()) -> list[str]:
     """The TRL options in ``args`` that trl-ext's loss pipeline would silently ignore (or, for ``loss_type``, could not
-    run), one message per field naming the plugins that route the loss through the pipeline."""
+    run), one message per field naming the plugins that route the loss through the pipeline (``active``) or compute
+    the objective (``objectives``)."""
     errors = [f"{where}.args.{key}: not supported together with loss plugin(s) {active}"
               for key, neutral in UNSUPPORTED_WITH_LOSS_PLUGINS.items() if key in args and args[key] != neutral]
+    if objectives:
+        errors += [f"{where}.args.{key}: applies to TRL's own objective only, not to plugin(s) {list(objectives)}; "
+                   f"{instead}" for key, (neutral, instead) in UNSUPPORTED_WITH_OBJECTIVE_PLUGINS.items()
+                   if key in args and args[key] != neutral]
     loss_type = args.get("loss_type", "dapo")
     if loss_type not in DEFAULT_AGGREGATIONS:
         errors.append(f"{where}.args.loss_type: {loss_type!r} cannot be combined with loss plugin(s) {active}; "
@@ -257,7 +327,12 @@ def check_stage(host, stage, args: dict, where: str) -> list[str]:
     """GRPO's own validation (TrainerKind.check): the trl-ext loss pipeline re-expresses only some TRL options, so the
     others are refused up front when a plugin routes the loss through it."""
     active = [p.name for p in host.plugins if routes_loss_through_pipeline(p, args)]
-    return loss_pipeline_conflicts(args, where, active) if active else []
+    return loss_pipeline_conflicts(args, where, active, objective_plugins(host)) if active else []
+
+
+def objective_plugins(host) -> list[str]:
+    """The plugins that compute the per-token objective themselves (``trl_ext_policy_loss``)."""
+    return [p.name for p in host.plugins if "trl_ext_policy_loss" in p.implemented_hooks()]
 
 
 class ExtGRPOTrainer(HostMixin, GRPOTrainer):
@@ -425,9 +500,11 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
     def _check_loss_pipeline_args(self) -> None:
         """Refuse TRL options the loss pipeline does not implement, for whatever routed the loss here (validation
         refuses the known cases first; a KL term replaced in ``trl_ext_trainer_created`` is only known now)."""
-        args = {key: getattr(self.args, key) for key in UNSUPPORTED_WITH_LOSS_PLUGINS} | {"loss_type": self.loss_type}
+        keys = [*UNSUPPORTED_WITH_LOSS_PLUGINS, *UNSUPPORTED_WITH_OBJECTIVE_PLUGINS]
+        args = {key: getattr(self.args, key) for key in keys} | {"loss_type": self.loss_type}
         reason = [p.name for p in self.plugin_host.plugins if any(h in p.implemented_hooks() for h in LOSS_HOOKS)]
-        errors = loss_pipeline_conflicts(args, "args", reason or [f"kl_term={self.kl_term!r}"])
+        errors = loss_pipeline_conflicts(args, "args", reason or [f"kl_term={self.kl_term!r}"],
+                                         objective_plugins(self.plugin_host))
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -486,6 +563,11 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             self.plugin_host, li, loss_type=self.loss_type, kl=self.kl_term,
             importance_sampling_level=self.importance_sampling_level,
             importance_sampling_ratio=inputs.get("importance_sampling_ratio"), reduce=reduce,
+            trl_options=TrlLossOptions(
+                off_policy_mask_threshold=self.off_policy_mask_threshold,
+                top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
+                delta=self.args.delta, high_entropy_mask=self.get_high_entropy_mask),
+            entropies=entropies,
         )
         if per_token_kl is not None:
             li.metrics["kl"] = self._masked_global_mean(per_token_kl, li.mask)
