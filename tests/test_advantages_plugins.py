@@ -228,11 +228,11 @@ def test_recipes_validate(recipe, capsys):
 # -- TRL options the loss pipeline lacks are refused when a KL-in-the-reward plugin routes the loss there ------------
 
 
-@pytest.mark.parametrize("arg", [{"use_adaptive_entropy": True}, {"loss_type": "vespo"}])
+@pytest.mark.parametrize("arg", [{"use_adaptive_entropy": True}])
 def test_reward_kl_plugins_refuse_trl_options_the_loss_pipeline_would_ignore(catalog, register_plugin, arg):
     """Dropping the loss KL (kl_coef > 0 with args.beta 0 or kl_in_loss false) makes the trainer run trl-ext's loss
-    pipeline, which has no adaptive entropy controller, vespo or luspo: these were accepted and then silently not
-    applied. (The entropy filter and bonus, the off-policy mask and the two-sided clip it applies as TRL does:
+    pipeline, which has no adaptive entropy controller: it was accepted and then silently not applied. (The entropy
+    filter and bonus, the off-policy mask, the two-sided clip and the vespo and luspo losses it applies as TRL does:
     tests/test_losses_parity.py.)"""
     register_plugin(ReinforcePP)
     key = next(iter(arg))

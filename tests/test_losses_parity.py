@@ -269,6 +269,37 @@ def test_trl_options_the_pipeline_applies_match_trl(plugins, trl_args, shared, i
     assert not torch.allclose(loss, plain, atol=1e-9) or not torch.allclose(grad, plain_grad, atol=1e-9)
 
 
+def with_vllm_ratio(inputs, rollout):
+    """TRL's vLLM importance ratio (token_truncate at 2) in the batch, for both paths."""
+    inputs["importance_sampling_ratio"] = torch.exp(inputs["old_per_token_logps"] - rollout).clamp(max=2.0)
+
+
+@pytest.mark.parametrize("trl_args, shared, inputs_fn", [
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, {}, None),
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, {"delta": 1.3}, None),
+    ({"loss_type": "luspo", "importance_sampling_level": "sequence", "use_vllm": True}, {}, with_vllm_ratio),
+    ({"loss_type": "vespo"}, {}, None),
+    ({"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_neg": 4.0}, {}, None),
+    ({"loss_type": "vespo", "use_vllm": True}, {}, with_vllm_ratio),
+    ({"loss_type": "vespo"}, {"off_policy_mask_threshold": opsm_threshold(), "entropy_coef": 0.05}, None),
+], ids=["luspo", "luspo-delta", "luspo-vllm", "vespo", "vespo-params", "vespo-vllm", "vespo-opsm-entropy"])
+def test_luspo_and_vespo_through_the_pipeline_match_trl(trl_args, shared, inputs_fn):
+    """TRL's luspo and vespo loss types were refused whenever a plugin routed the loss through the pipeline; its
+    objectives and aggregations now re-express them (vespo's Gamma weights are TRL's own get_gamma_weights, with TRL's
+    vLLM ratio folded in rather than multiplied again)."""
+    theta, rollout, inputs = batch()
+    if inputs_fn is not None:
+        inputs_fn(inputs, rollout)
+    ours, leaf = trainer_like({**trl_args, **shared}, theta, entropy_of)
+    ours.plugin_host = PluginHost([])
+    theirs, leaf2 = trainer_like({**trl_args, **shared}, theta, entropy_of)
+    l1, g1 = loss_and_grad(lambda t, m, i: t._plugin_loss(m, i), ours, leaf, dict(inputs))
+    l2, g2 = loss_and_grad(GRPOTrainer._compute_loss, theirs, leaf2, dict(inputs))
+    assert torch.allclose(l1, l2, atol=1e-6, rtol=0), (l1, l2)
+    assert torch.allclose(g1, g2, atol=1e-6, rtol=0)
+    assert g1.abs().sum() > 0
+
+
 def test_off_policy_mask_drops_whole_negative_sequences_over_the_threshold():
     """DeepSeek-V3.2 Eq. 9 by hand: of the two negative-advantage rows, the one whose mean KL exceeds the threshold
     has no gradient; the other rows keep theirs."""
@@ -302,8 +333,9 @@ def test_delta_is_refused_with_an_objective_plugin_and_applied_without_one():
     with pytest.raises(RecipeError, match=r"args\.delta: applies to TRL's own objective only.*'cispo'.*dual_clip"):
         resolve_stage(stage(["cispo"], delta=2.0), 0, catalog)
     for options in ({"delta": 2.0}, {"off_policy_mask_threshold": 0.5}, {"top_entropy_quantile": 0.2},
-                    {"entropy_coef": 0.01}):
-        resolve_stage(stage([{"aggregation": {"mode": "token-mean"}}], loss_type="dapo", **options), 0, catalog)
+                    {"entropy_coef": 0.01}, {"loss_type": "vespo"},
+                    {"loss_type": "luspo", "importance_sampling_level": "sequence"}):
+        resolve_stage(stage([{"aggregation": {"mode": "token-mean"}}], **{"loss_type": "dapo", **options}), 0, catalog)
     for options in ({"off_policy_mask_threshold": 0.5}, {"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01}):
         resolve_stage(stage(["cispo"], **options), 0, catalog)
     with pytest.raises(RecipeError, match=r"args\.use_adaptive_entropy: not supported .*cispo"):

@@ -108,7 +108,8 @@ def grpo_inputs(seed: int = 0) -> dict:
 _GRPO_DEFAULTS = {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "importance_sampling_level": "token",
                   "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "beta": 0.0,
                   "use_bias_correction_kl": False, "use_vllm": False, "off_policy_mask_threshold": None,
-                  "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "delta": None}
+                  "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "delta": None, "vespo_k_pos": 2.0,
+                  "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
 
 
 def grpo_trainer_like(args: dict, theta: torch.Tensor, entropies=None):
@@ -136,7 +137,9 @@ def grpo_trainer_like(args: dict, theta: torch.Tensor, entropies=None):
         args=types.SimpleNamespace(delta=a["delta"], use_bias_correction_kl=a["use_bias_correction_kl"],
                                    steps_per_generation=STEPS_PER_GEN, top_k=0, top_p=1.0, min_p=None,
                                    sapo_temperature_pos=a["sapo_temperature_pos"],
-                                   sapo_temperature_neg=a["sapo_temperature_neg"]),
+                                   sapo_temperature_neg=a["sapo_temperature_neg"],
+                                   **{key: a[key] for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                                                              "vespo_lambda_neg")}),
         _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, entropy_of(leaf), None),
     )
     t.kl_term = KLTerm("k3", bias_correction=t.args.use_bias_correction_kl)  # what ExtGRPOTrainer.__init__ sets
@@ -144,7 +147,8 @@ def grpo_trainer_like(args: dict, theta: torch.Tensor, entropies=None):
                  "_clip_ratio_metrics"):
         setattr(t, name, types.MethodType(getattr(ExtGRPOTrainer, name), t))
     t.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, t)
-    t.get_off_policy_mask = GRPOTrainer.get_off_policy_mask  # a staticmethod
+    t.get_off_policy_mask = GRPOTrainer.get_off_policy_mask  # staticmethods
+    t.get_gamma_weights = GRPOTrainer.get_gamma_weights
     return t, leaf
 
 

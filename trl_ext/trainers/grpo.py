@@ -32,17 +32,32 @@ from trl_ext.trainers.base import HostMixin
 ROLLOUT_HOOKS = ("trl_ext_shape_rewards", "trl_ext_filter_groups", "trl_ext_compute_advantages")
 LOSS_HOOKS = ("trl_ext_policy_loss", "trl_ext_token_weights", "trl_ext_aggregate_loss", "trl_ext_extra_loss")
 
+def vespo_objective(li: LossInputs) -> torch.Tensor:
+    """TRL's VESPO loss (arXiv 2602.10693): ``-phi(w) * A * log pi`` with TRL's own Gamma weights
+    (``GRPOTrainer.get_gamma_weights``, detached) of the sequence ratio ``w``, which folds in TRL's vLLM importance
+    ratio when the batch has one (so the pipeline does not multiply it in again)."""
+    vespo = li.extra["vespo"]
+    phi = GRPOTrainer.get_gamma_weights(advantages=li.advantages, log_ratio_per_token=li.log_ratio, mask=li.mask,
+                                        importance_sampling_ratio=li.extra.get("importance_sampling_ratio"),
+                                        k_pos=vespo["k_pos"], lambda_pos=vespo["lambda_pos"], k_neg=vespo["k_neg"],
+                                        lambda_neg=vespo["lambda_neg"])
+    return -phi * li.advantages * li.per_token_logps
+
+
 # TRL loss types re-expressed by trl-ext's loss pipeline (used when some plugin customises only part of the loss).
 # Objectives take (inputs, ratio, delta) and return the per-token loss; delta (TRL's two-sided clip) applies to TRL's
-# PPO-clip types only, as in TRL. Aggregations take (loss, mask, inputs).
+# PPO-clip types (and luspo, PPO-clip on the sequence ratio) only, as in TRL. Aggregations take (loss, mask, inputs).
 DEFAULT_OBJECTIVES = {
     **{loss_type: lambda li, r, delta: ops.ppo_clip_objective(r, li.advantages, li.epsilon_low, li.epsilon_high,
                                                              ratio_cap=delta)
-       for loss_type in ops.PPO_CLIP_LOSS_TYPES},
+       for loss_type in (*ops.PPO_CLIP_LOSS_TYPES, "luspo")},
     "cispo": lambda li, r, delta: ops.cispo_objective(r, li.per_token_logps, li.advantages, li.epsilon_high),
     "sapo": lambda li, r, delta: ops.sapo_objective(r, li.advantages, li.extra["sapo_tau_pos"],
                                                     li.extra["sapo_tau_neg"]),
+    "vespo": lambda li, r, delta: vespo_objective(li),
 }
+# TRL objectives that already contain TRL's vLLM importance ratio
+OBJECTIVES_WITH_IS_RATIO = frozenset({"vespo"})
 
 
 @dataclass(frozen=True)
@@ -114,10 +129,13 @@ DEFAULT_AGGREGATIONS = {
         per_kept_row(ops.constant_normalized(l, m, c.max_completion_length), c), c),
     "dapo": global_token_mean,
     "cispo": global_token_mean,
+    "vespo": global_token_mean,
+    # LUSPO (arXiv 2602.05261): each sequence's loss is its token sum (scaled by its length), mean over sequences
+    "luspo": lambda l, m, c: scale_per_micro_batch(per_kept_row(ops.seq_mean_token_sum(l, m), c), c),
 }
 # TRL loss types whose aggregation divides by the row count; TRL's own loss cannot leave filtered rows out of it, so a
 # batch with filtered rows trains them through the pipeline (``ExtGRPOTrainer._compute_loss``).
-ROW_NORMALIZED_LOSS_TYPES = frozenset({"grpo", "sapo", "dr_grpo"})
+ROW_NORMALIZED_LOSS_TYPES = frozenset({"grpo", "sapo", "dr_grpo", "luspo"})
 KEPT_ROW_FRACTION = "kept_row_fraction"  # rollout dict key: the generation batch's kept share of rows (0-dim tensor)
 
 
@@ -226,7 +244,9 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
         li.sampling_per_token_logps = ops.where_mask(li.sampling_per_token_logps, mask)
 
     per_token_loss = host.hook.trl_ext_policy_loss(inputs=li)
-    if per_token_loss is None:
+    trl_objective = per_token_loss is None
+    if trl_objective:
+        li.extra["importance_sampling_ratio"] = importance_sampling_ratio
         per_token_loss = DEFAULT_OBJECTIVES[loss_type](li, trl_ratio(li, importance_sampling_level), trl_options.delta)
 
     loss_mask, masked = mask, False
@@ -237,8 +257,8 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
             loss_mask = ops.where_mask(loss_mask, contribution.mask)
             masked = True
     per_token_loss, entropy_kept = trl_token_filters(per_token_loss, li, trl_options)
-    if importance_sampling_ratio is not None:  # TRL's vLLM correction, kept when a plugin changes the loss
-        per_token_loss = per_token_loss * importance_sampling_ratio
+    if importance_sampling_ratio is not None and not (trl_objective and loss_type in OBJECTIVES_WITH_IS_RATIO):
+        per_token_loss = per_token_loss * importance_sampling_ratio  # TRL's vLLM correction, kept with plugins
     per_token_kl = None
     if kl.weight(li.beta) != 0.0:
         per_token_kl = kl.per_token(li.per_token_logps, li.ref_per_token_logps, trl_ratio(li, importance_sampling_level))
@@ -552,6 +572,8 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
                 "model": model,  # the (possibly DDP-wrapped) model this loss runs, for extra forward passes
                 "sapo_tau_pos": self.args.sapo_temperature_pos,
                 "sapo_tau_neg": self.args.sapo_temperature_neg,
+                "vespo": {"k_pos": self.args.vespo_k_pos, "lambda_pos": self.args.vespo_lambda_pos,
+                          "k_neg": self.args.vespo_k_neg, "lambda_neg": self.args.vespo_lambda_neg},
                 "importance_sampling_level": self.importance_sampling_level,
                 **{key: inputs[key] for key in self._loss_extra_keys if key in inputs},
             },
