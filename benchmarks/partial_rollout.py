@@ -165,7 +165,7 @@ def timed_rollouts():
 def held_out(steps: int, partial_steps: int, fractions: list[float], correction: str, seed: int, out: Path,
              long_tail: float, eval_every: int, grpo_seeds: list[int] | None = None, half_batch: bool = False,
              mask_offpolicy: bool = False, stop_unit: str = "trajectories",
-             max_deferrals: list[int | None] = (None,)) -> None:
+             max_deferrals: list[int | None] = (None,), arms: list[str] | None = None) -> None:
     """configs/partial_rollout.yaml's GRPO stage without the plugin and at each lambda, from one SFT warm-up."""
     import yaml
 
@@ -209,6 +209,11 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], correction:
                 + (f" + {correction}" if correction != "none" else "")
                 + (" masked" if mask_offpolicy else ""),
                 [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"], {"max_steps": partial_steps})
+    if arms:
+        unknown = sorted(set(arms) - set(configurations))
+        if unknown:
+            raise SystemExit(f"--arms: unknown {unknown}; this command's arms are {sorted(configurations)}")
+        configurations = {key: value for key, value in configurations.items() if key in arms}
     stages, labels, steps_of = {}, {}, {}
     for seed_of_grpo in grpo_seeds or [None]:
         for key, (label, plugins, overrides) in configurations.items():
@@ -339,12 +344,15 @@ def main() -> None:
                         help="--held-out: one partial_rollout configuration per value of the plugin's max_deferrals "
                         "(a group deferred K times is generated to the end next round; none: unbounded)")
     parser.add_argument("--output-dir", default=None, help="where --held-out runs (default: a temporary folder)")
+    parser.add_argument("--arms", nargs="+", default=None, metavar="NAME",
+                        help="--held-out: run only these configurations (plain, half, partial75, partial75_d1, ...); "
+                        "the runs are deterministic on one machine, so an arm measured before need not run again")
     a = parser.parse_args()
     if a.held_out:
         out = Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-"))
         held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, a.correction, a.seed, out, a.long_tail,
                  a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy, a.stop_unit,
-                 [None if k == "none" else int(k) for k in a.max_deferrals])
+                 [None if k == "none" else int(k) for k in a.max_deferrals], a.arms)
         return
 
     from trl_ext.embedded.models import materialize_model
