@@ -225,36 +225,44 @@ def test_recipes_validate(recipe, capsys):
     assert recipe in capsys.readouterr().out
 
 
-# -- TRL options the loss pipeline lacks are refused when a KL-in-the-reward plugin routes the loss there ------------
+# -- TRL options keep their meaning when a KL-in-the-reward plugin routes the loss through the pipeline -------------
 
 
-@pytest.mark.parametrize("arg", [{"use_adaptive_entropy": True}])
-def test_reward_kl_plugins_refuse_trl_options_the_loss_pipeline_would_ignore(catalog, register_plugin, arg):
+@pytest.mark.parametrize("arg", [{"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01}, {"delta": 2.0},
+                                 {"off_policy_mask_threshold": 0.5}, {"use_adaptive_entropy": True},
+                                 {"loss_type": "vespo"}])
+def test_reward_kl_plugins_accept_the_trl_options_the_pipeline_applies(catalog, register_plugin, arg):
     """Dropping the loss KL (kl_coef > 0 with args.beta 0 or kl_in_loss false) makes the trainer run trl-ext's loss
-    pipeline, which has no adaptive entropy controller: it was accepted and then silently not applied. (The entropy
-    filter and bonus, the off-policy mask, the two-sided clip and the vespo and luspo losses it applies as TRL does:
-    tests/test_losses_parity.py.)"""
+    pipeline. It once lacked these options, which were then refused here; it now applies each as TRL does
+    (tests/test_losses_parity.py), so they validate."""
     register_plugin(ReinforcePP)
-    key = next(iter(arg))
-    with pytest.raises(RecipeError, match=rf"args\.{key}: .*reinforce_pp"):
-        resolve_stage(_stage("reinforce_pp", **arg), 0, catalog)
+
     def stage(params, **args):
         return StageSpec(trainer="grpo", model="embedded:tiny-qwen2", dataset="embedded:arithmetic",
                          plugins=[{"name": "reinforce_pp", "params": params}, "exact_match"], args={**args, **arg})
 
-    with pytest.raises(RecipeError, match=rf"args\.{key}: .*reinforce_pp"):
-        resolve_stage(stage({"kl_in_loss": False}, beta=0.01), 0, catalog)
-    # TRL's own loss runs (and applies the option) when the loss KL is kept or there is no KL in the reward
-    resolve_stage(stage({"kl_in_loss": True}, beta=0.01), 0, catalog)
-    resolve_stage(stage({"kl_coef": 0.0}), 0, catalog)
+    resolve_stage(_stage("reinforce_pp", **arg), 0, catalog)
+    resolve_stage(stage({"kl_in_loss": False}, beta=0.01), 0, catalog)
 
 
-def test_loss_pipeline_refuses_trl_options_at_the_first_loss(tiny_trainer):
-    """A KL term replaced after validation (trl_ext_trainer_created) still cannot ignore TRL's options silently."""
+def test_a_kl_term_replaced_after_validation_keeps_trls_options(tiny_trainer):
+    """A KL term replaced after validation (trl_ext_trainer_created) routes the loss through the pipeline at the first
+    loss; TRL's entropy filter and bonus still apply there: the loss equals TRL's own (the replaced term's weight is 0).
+    """
+    from trl import GRPOTrainer
+
     from trl_ext.ops import KLTerm
 
-    trainer = tiny_trainer("grpo", args={"use_adaptive_entropy": True})
+    def length_reward(completions, **_):  # the untrained model earns nothing on the task; lengths vary
+        return [float(len(str(c)) % 5) for c in completions]
+
+    trainer = tiny_trainer("grpo", args={"loss_type": "grpo", "top_entropy_quantile": 0.5, "entropy_coef": 0.05},
+                           reward_funcs=[length_reward])
     trainer.kl_term = KLTerm("k3", coef=0.0)
-    inputs = rollout(trainer, rows=4)
-    with pytest.raises(ValueError, match=r"args\.use_adaptive_entropy: not supported"):
-        trainer._compute_loss(trainer.model, inputs)
+    inputs = rollout(trainer, rows=8)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop; this test calls the loss
+    ours = trainer._compute_loss(trainer.model, dict(inputs))
+    theirs = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+    trainer.top_entropy_quantile, trainer.entropy_coef = 1.0, 0.0
+    assert not torch.allclose(trainer._compute_loss(trainer.model, dict(inputs)), ours, atol=1e-6)

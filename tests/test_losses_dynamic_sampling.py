@@ -273,19 +273,17 @@ def test_group_of_one_is_refused():
         resolve_stage(stage, 0, Catalog.discover())
 
 
-def test_a_sequence_mean_loss_with_group_filters_refuses_what_the_loss_pipeline_lacks():
-    # filtered rows leave grpo's sequence count only in trl-ext's loss pipeline, which has no adaptive entropy
-    # controller: refused up front, not dropped at the first filtered batch; token-mean (dapo) keeps TRL's loss and the
-    # option. The static entropy bonus the pipeline applies as TRL does.
+def test_a_sequence_mean_loss_with_group_filters_keeps_trls_entropy_options():
+    # filtered rows leave grpo's sequence count only in trl-ext's loss pipeline; TRL's entropy bonus and adaptive
+    # controller, once refused there, are applied as TRL applies them (tests/test_losses_parity.py), so they validate
     def stage(loss_type, **options):
         return StageSpec(trainer="grpo", model="embedded:tiny-qwen2", dataset="embedded:arithmetic",
                          plugins=["dynamic_sampling", "exact_match"],
                          args={"loss_type": loss_type, "entropy_coef": 0.01, **options})
 
-    with pytest.raises(RecipeError, match=r"args\.use_adaptive_entropy: not supported .*dynamic_sampling"):
-        resolve_stage(stage("grpo", use_adaptive_entropy=True), 0, Catalog.discover())
-    resolve_stage(stage("dapo", use_adaptive_entropy=True), 0, Catalog.discover())
-    resolve_stage(stage("grpo"), 0, Catalog.discover())
+    for loss_type in ("grpo", "dapo"):
+        resolve_stage(stage(loss_type), 0, Catalog.discover())
+        resolve_stage(stage(loss_type, use_adaptive_entropy=True), 0, Catalog.discover())
 
 
 @pytest.mark.parametrize("name", ["dynamic_sampling", "dapo"])

@@ -336,10 +336,51 @@ def test_delta_is_refused_with_an_objective_plugin_and_applied_without_one():
                     {"entropy_coef": 0.01}, {"loss_type": "vespo"},
                     {"loss_type": "luspo", "importance_sampling_level": "sequence"}):
         resolve_stage(stage([{"aggregation": {"mode": "token-mean"}}], **{"loss_type": "dapo", **options}), 0, catalog)
-    for options in ({"off_policy_mask_threshold": 0.5}, {"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01}):
+    for options in ({"off_policy_mask_threshold": 0.5}, {"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01},
+                    {"use_adaptive_entropy": True}):
         resolve_stage(stage(["cispo"], **options), 0, catalog)
-    with pytest.raises(RecipeError, match=r"args\.use_adaptive_entropy: not supported .*cispo"):
-        resolve_stage(stage(["cispo"], use_adaptive_entropy=True), 0, catalog)
+
+
+def test_delta_with_an_objective_plugin_is_refused_at_the_first_loss(tiny_trainer):
+    """A trainer built without recipe validation still cannot ignore delta silently."""
+    trainer = tiny_trainer("grpo", plugins=[GRPO()], args={"loss_type": "grpo", "delta": 2.0})
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop; this test calls the loss
+    inputs = trainer._generate_and_score_completions([trainer.train_dataset[i // 4] for i in range(4)])
+    with pytest.raises(ValueError, match=r"args\.delta: applies to TRL's own objective only.*'grpo'.*dual_clip"):
+        trainer._compute_loss(trainer.model, inputs)
+
+
+@pytest.mark.parametrize("plugins, trl_args, shared", [
+    ([GRPO()], {"loss_type": "grpo"}, {}),
+    ([DAPO()], {"loss_type": "dapo", "epsilon_high": 0.28}, {"top_entropy_quantile": 0.5}),
+], ids=["grpo", "dapo-entropy-mask"])
+@pytest.mark.parametrize("target", [0.1, 5.0], ids=["entropy-above-target", "entropy-below-target"])
+def test_adaptive_entropy_controller_matches_trl_over_an_accumulation_window(plugins, trl_args, shared, target):
+    """TRL's use_adaptive_entropy (Skywork-OR1) through the pipeline: the same loss and gradient on each micro-batch
+    of a two-micro-batch window, the same coefficient after the optimizer step (moved up or down), and no bonus while
+    the last step's entropy was above the target, as in TRL."""
+    theta, rollout, inputs = batch()
+    args = {**shared, "use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": target}
+    ours, leaf = trainer_like({**plugin_args(plugins), **args}, theta, entropy_of)
+    ours.plugin_host = PluginHost(plugins)
+    theirs, leaf2 = trainer_like({**trl_args, **args}, theta, entropy_of)
+    for t in (ours, theirs):
+        t._last_world_entropy = 0.0  # the previous step measured a low entropy: the bonus applies
+    for sync in (False, True):
+        for t in (ours, theirs):
+            t.accelerator.sync_gradients = sync
+        l1, g1 = loss_and_grad(lambda t, m, i: t._plugin_loss(m, i), ours, leaf, dict(inputs))
+        l2, g2 = loss_and_grad(GRPOTrainer._compute_loss, theirs, leaf2, dict(inputs))
+        assert torch.allclose(l1, l2, atol=1e-6, rtol=0) and torch.allclose(g1, g2, atol=1e-6, rtol=0)
+    assert ours.entropy_coef == pytest.approx(theirs.entropy_coef) and ours.entropy_coef != 0.05
+    assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy)
+    assert ours._entropy_window_stats is None and theirs._entropy_window_stats is None
+    # the window's entropy against the target decides the bonus of the next step
+    l1, _ = loss_and_grad(lambda t, m, i: t._plugin_loss(m, i), ours, leaf, dict(inputs))
+    l2, _ = loss_and_grad(GRPOTrainer._compute_loss, theirs, leaf2, dict(inputs))
+    assert torch.allclose(l1, l2, atol=1e-6, rtol=0)
+    assert (ours._applied_entropy_coef() == 0.0) == (ours._last_world_entropy > target)
 
 
 def test_trl_options_on_the_real_trainer_match_trls_own_loss(tiny_trainer):

@@ -109,7 +109,8 @@ _GRPO_DEFAULTS = {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "im
                   "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "beta": 0.0,
                   "use_bias_correction_kl": False, "use_vllm": False, "off_policy_mask_threshold": None,
                   "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "delta": None, "vespo_k_pos": 2.0,
-                  "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+                  "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
+                  "use_adaptive_entropy": False, "entropy_target": 0.2}
 
 
 def grpo_trainer_like(args: dict, theta: torch.Tensor, entropies=None):
@@ -127,24 +128,26 @@ def grpo_trainer_like(args: dict, theta: torch.Tensor, entropies=None):
     t = types.SimpleNamespace(
         loss_type=a["loss_type"], epsilon_low=a["epsilon"], epsilon_high=a["epsilon_high"] or a["epsilon"],
         importance_sampling_level=a["importance_sampling_level"], beta=a["beta"],
-        top_entropy_quantile=a["top_entropy_quantile"], entropy_coef=a["entropy_coef"], use_adaptive_entropy=False,
+        top_entropy_quantile=a["top_entropy_quantile"], entropy_coef=a["entropy_coef"],
+        use_adaptive_entropy=a["use_adaptive_entropy"], _last_world_entropy=float("inf"), _entropy_window_stats=None,
         off_policy_mask_threshold=a["off_policy_mask_threshold"], use_vllm=a["use_vllm"],
         vllm_importance_sampling_correction=a["use_vllm"],
-        aux_loss_enabled=False, _entropy_bonus_enabled=a["entropy_coef"] != 0.0,
+        aux_loss_enabled=False, _entropy_bonus_enabled=a["entropy_coef"] != 0.0 or a["use_adaptive_entropy"],
         current_gradient_accumulation_steps=GRAD_ACCUM,
         max_completion_length=MAX_COMPLETION, _loss_extra_keys=(), accelerator=OneProcess(),
         model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)}, temperature=1.0,
         args=types.SimpleNamespace(delta=a["delta"], use_bias_correction_kl=a["use_bias_correction_kl"],
                                    steps_per_generation=STEPS_PER_GEN, top_k=0, top_p=1.0, min_p=None,
                                    sapo_temperature_pos=a["sapo_temperature_pos"],
-                                   sapo_temperature_neg=a["sapo_temperature_neg"],
+                                   sapo_temperature_neg=a["sapo_temperature_neg"], entropy_target=a["entropy_target"],
+                                   entropy_coef_delta=0.005, entropy_coef_min=0.0, entropy_coef_max=1.0,
                                    **{key: a[key] for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                                                               "vespo_lambda_neg")}),
         _get_per_token_logps_and_entropies=lambda *_, **__: (leaf, entropy_of(leaf), None),
     )
     t.kl_term = KLTerm("k3", bias_correction=t.args.use_bias_correction_kl)  # what ExtGRPOTrainer.__init__ sets
     for name in ("_plugin_loss", "_masked_global_mean", "_log_plugin_metrics", "_objective_is_ppo_clip",
-                 "_clip_ratio_metrics"):
+                 "_clip_ratio_metrics", "_applied_entropy_coef", "_adaptive_entropy_window"):
         setattr(t, name, types.MethodType(getattr(ExtGRPOTrainer, name), t))
     t.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, t)
     t.get_off_policy_mask = GRPOTrainer.get_off_policy_mask  # staticmethods

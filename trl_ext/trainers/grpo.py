@@ -77,7 +77,9 @@ class TrlLossOptions:
       ``get_high_entropy_mask`` (TRL's, which gathers the entropies over ranks, so every rank must call it).
     * ``entropy_coef``: the loss minus ``entropy_coef`` x the mean entropy of the trained tokens (after the entropy
       filter) of this micro-batch, divided by the accumulation steps only, whatever the aggregation (TRL's bonus).
-      TRL's adaptive controller (``use_adaptive_entropy``) is not re-expressed and is refused.
+      ``entropy_window``, when given, receives each training micro-batch's ``[entropy sum, token count]`` over those
+      tokens: the trainer's adaptive controller (TRL's ``use_adaptive_entropy``, Skywork-OR1, arXiv 2505.22312) sums
+      them over the accumulation window and moves ``entropy_coef`` at the optimizer step, as TRL does.
     * ``delta`` (INTELLECT-2's two-sided clip, arXiv 2505.07291): the unclipped ratio of TRL's PPO-clip objectives is
       capped at delta. A ``trl_ext_policy_loss`` plugin computes its own objective and does not read it, so ``delta``
       is refused with one (``grpo``'s ``dual_clip: delta`` is the same loss for ``delta >= 1 + epsilon_high``).
@@ -88,6 +90,7 @@ class TrlLossOptions:
     entropy_coef: float = 0.0
     delta: float | None = None
     high_entropy_mask: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    entropy_window: Callable[[torch.Tensor], None] | None = None
 
 
 def scale_per_micro_batch(loss: torch.Tensor, ctx) -> torch.Tensor:
@@ -269,12 +272,14 @@ def compose_loss(host, li: LossInputs, *, loss_type: str, kl: ops.KLTerm, import
     loss = host.hook.trl_ext_aggregate_loss(per_token_loss=per_token_loss, mask=loss_mask, inputs=li)
     if loss is None:
         loss = DEFAULT_AGGREGATIONS[loss_type](per_token_loss, loss_mask, li)
-    if trl_options.entropy_coef != 0.0:
+    if trl_options.entropy_coef != 0.0 or trl_options.entropy_window is not None:
         if entropies is None:
             raise ValueError("entropy_coef needs the forward pass's entropies")
         trained = mask if entropy_kept is None else ops.where_mask(mask, entropy_kept)
-        mean_entropy = ops.where_mask(entropies, trained).sum() / trained.sum().clamp(min=1.0)
-        loss = loss - trl_options.entropy_coef * mean_entropy / li.grad_accum_steps
+        entropy_sum = ops.where_mask(entropies, trained).sum()
+        loss = loss - trl_options.entropy_coef * entropy_sum / trained.sum().clamp(min=1.0) / li.grad_accum_steps
+        if trl_options.entropy_window is not None:
+            trl_options.entropy_window(torch.stack([entropy_sum, trained.sum()]).detach())
     for term in host.hook.trl_ext_extra_loss(inputs=li):
         loss = loss + term
     return loss, loss_mask, per_token_kl
@@ -302,10 +307,8 @@ def trl_token_filters(per_token_loss: torch.Tensor, li: LossInputs,
 
 
 # TRL features the trl-ext loss pipeline does not re-implement (refused at validation when a loss plugin is active),
-# with their neutral values; TrlLossOptions holds the ones it does.
-UNSUPPORTED_WITH_LOSS_PLUGINS = {
-    "use_adaptive_entropy": False,
-}
+# with their neutral values; TrlLossOptions holds the ones it does. None left in TRL 1.16's GRPOConfig.
+UNSUPPORTED_WITH_LOSS_PLUGINS: dict[str, object] = {}
 # re-expressed for TRL's own objectives only: refused when a trl_ext_policy_loss plugin computes the objective, with
 # what to use instead
 UNSUPPORTED_WITH_OBJECTIVE_PLUGINS = {
@@ -587,8 +590,9 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
             importance_sampling_ratio=inputs.get("importance_sampling_ratio"), reduce=reduce,
             trl_options=TrlLossOptions(
                 off_policy_mask_threshold=self.off_policy_mask_threshold,
-                top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
-                delta=self.args.delta, high_entropy_mask=self.get_high_entropy_mask),
+                top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self._applied_entropy_coef(),
+                delta=self.args.delta, high_entropy_mask=self.get_high_entropy_mask,
+                entropy_window=self._adaptive_entropy_window if self.use_adaptive_entropy and training else None),
             entropies=entropies,
         )
         if per_token_kl is not None:
@@ -604,6 +608,31 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         li.metrics["loss_mask/kept_fraction"] = figures.mean(loss_mask.sum(), li.mask.sum())
         self._log_plugin_metrics(li.metrics)
         return loss
+
+    def _applied_entropy_coef(self) -> float:
+        """TRL's entropy coefficient for this micro-batch: the static one, or under the adaptive controller the current
+        one while the last optimizer step's entropy was at or below ``entropy_target`` and 0 above it."""
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return self.entropy_coef
+
+    def _adaptive_entropy_window(self, stats: torch.Tensor) -> None:
+        """TRL's adaptive entropy controller (Skywork-OR1): sum ``[entropy sum, token count]`` over the accumulation
+        window; at the optimizer step, over every rank, move ``entropy_coef`` by ``entropy_coef_delta`` up (entropy at
+        or below ``entropy_target``) or down, within ``[entropy_coef_min, entropy_coef_max]``. The state is TRL's
+        (``entropy_coef``, ``_last_world_entropy``), which TRL's own checkpoint code saves and restores."""
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+        a = self.args
+        if world_entropy <= a.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _objective_is_ppo_clip(self) -> bool:
         """Whether the per-token objective is the PPO clip TRL's ``clip_ratio/*`` metrics describe: TRL's own for a
