@@ -374,6 +374,7 @@ def test_adaptive_entropy_controller_matches_trl_over_an_accumulation_window(plu
         l2, g2 = loss_and_grad(GRPOTrainer._compute_loss, theirs, leaf2, dict(inputs))
         assert torch.allclose(l1, l2, atol=1e-6, rtol=0) and torch.allclose(g1, g2, atol=1e-6, rtol=0)
     assert ours.entropy_coef == pytest.approx(theirs.entropy_coef) and ours.entropy_coef != 0.05
+    assert ours._metrics["train"]["entropy_coef"] == pytest.approx(theirs._metrics["train"]["entropy_coef"])
     assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy)
     assert ours._entropy_window_stats is None and theirs._entropy_window_stats is None
     # the window's entropy against the target decides the bonus of the next step

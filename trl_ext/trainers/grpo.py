@@ -296,7 +296,8 @@ def trl_token_filters(per_token_loss: torch.Tensor, li: LossInputs,
                                                sampling_per_token_logps=sampler, mask=li.mask,
                                                off_policy_threshold=options.off_policy_mask_threshold)
         per_token_loss = torch.where(keep.bool(), per_token_loss, torch.zeros_like(per_token_loss))
-        li.metrics["off_policy_mask/dropped_fraction"] = float(1.0 - keep.float().mean())
+        dropped = (keep == 0).sum()  # over every rank's sequences
+        li.metrics["off_policy_mask/dropped_fraction"] = figures.mean(dropped, torch.as_tensor(keep.numel()))
     entropy_kept = None
     if options.top_entropy_quantile < 1.0:
         if options.high_entropy_mask is None or li.entropies is None:
@@ -597,6 +598,8 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
         )
         if per_token_kl is not None:
             li.metrics["kl"] = self._masked_global_mean(per_token_kl, li.mask)
+        if self._entropy_bonus_enabled and training and self.accelerator.sync_gradients:
+            li.metrics["entropy_coef"] = self.entropy_coef  # as TRL logs it: after the step's adaptive update
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / li.grad_accum_steps
 
