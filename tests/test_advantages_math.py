@@ -194,3 +194,38 @@ def test_openrlhf_whitening_uses_the_population_variance_and_a_clamped_floor():
     v = adv.masked_whiten(tiny, t([[1, 1]]))[0, 1].item()
     assert v == pytest.approx(0.5e-5 / (5e-11 + 1e-8) ** 0.5, rel=1e-9)
 
+
+
+# -- the zero-std rule (NeMo-RL cross-check) ------------------------------------------------------------------------
+
+
+def test_epsilon_zero_keeps_group_advantages_finite():
+    """epsilon: 0 is allowed, and gave 0/0 = NaN for a tied group (and inf for a leave-one-out row whose peers tie),
+    which reached the loss unchecked; nothing is divided where s + eps is 0."""
+    r = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 0])
+    assert adv.group_advantages(r, 4, eps=0.0).tolist() == pytest.approx([0, 0, 0, 0, 1.5, -0.5, -0.5, -0.5])
+    loo = adv.group_advantages(r, 4, eps=0.0, std="leave_one_out", baseline="leave_one_out")
+    assert loo.tolist() == pytest.approx([0, 0, 0, 0, 1.0] + [-(1 / 3) / math.sqrt(1 / 3)] * 3)
+    assert adv.group_advantages(torch.ones(4), 4, scale="batch", eps=0.0).tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("rewards, expected", [
+    ([1.0, 0.0], [1.0, -1.0]),  # each row's single peer has std 0: no division
+    ([1.0, 0.0, 0.0, 0.0], [1.0] + [-(1 / 3) / (math.sqrt(1 / 3) + 1e-6)] * 3),
+    ([1.0, 1.0, 1.0, 1.0], [0.0] * 4),
+])
+def test_zero_std_skip_is_nemo_rls_default_grpo_advantage(rewards, expected):
+    """NeMo-RL's GRPO advantage (use_leave_one_out_baseline, its default): leave-one-out baseline, the sample std of
+    the other rows, epsilon 1e-6, and no division where that std is 0. The default rule divides by epsilon alone."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    nemo = dict(baseline="leave_one_out", std="leave_one_out", eps=1e-6)
+    assert adv.group_advantages(r, len(rewards), zero_std="skip", **nemo).tolist() == pytest.approx(expected)
+    if rewards[0] != rewards[1]:
+        assert adv.group_advantages(r, len(rewards), **nemo)[0] == pytest.approx(1e6 * (1.0 - sum(rewards[1:]) /
+                                                                                        (len(rewards) - 1)))
+
+
+def test_zero_std_rules_agree_wherever_the_std_is_positive():
+    r = torch.rand(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for kw in (dict(), dict(baseline="leave_one_out", std="leave_one_out", eps=1e-6), dict(scale="batch")):
+        assert torch.equal(adv.group_advantages(r, 8, **kw), adv.group_advantages(r, 8, zero_std="skip", **kw))

@@ -96,7 +96,8 @@ GROUP_STDS = ("sample", "population", "leave_one_out")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", std: str = "sample",
-                     baseline: str = "mean", eps: float = 1e-4, single_sample: str = "zero") -> torch.Tensor:
+                     baseline: str = "mean", eps: float = 1e-4, single_sample: str = "zero",
+                     zero_std: str = "epsilon") -> torch.Tensor:
     """Group-relative advantages ``(R - b) / (s + eps)`` (GRPO, arXiv 2402.03300), every peer convention a switch.
 
     ``baseline``: ``mean`` (the group mean, GRPO/TRL/verl) or ``leave_one_out`` (the mean of the other rows, RLOO-style).
@@ -107,6 +108,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     rewards [1, 0, 0, 0] give 1.5 (sample std) vs 1.732 (population) for the top row with eps 0.
     Unscorable rows (NaN) are left out of every statistic and get 0; a zero-variance group gives 0 for every row.
     ``single_sample`` (G = 1): ``zero`` (TRL: R - mean = 0) or ``raw`` (verl: mean 0, std 1, so A = R / (1 + eps)).
+    ``zero_std``: where s is 0, ``epsilon`` divides by eps alone (TRL, verl; with eps 0 nothing is divided there, so
+    the result stays finite) and ``skip`` does not divide (NeMo-RL: A = R - b). They differ only where R - b is
+    nonzero with s = 0: under ``std: leave_one_out`` a row whose peers tie (binary [1, 0, 0, 0]: 0.75 / eps against
+    NeMo-RL's 1 with its leave-one-out baseline).
     """
     if group_size == 1 and single_sample == "raw":
         return torch.nan_to_num(rewards / (1.0 + eps), nan=0.0)
@@ -127,15 +132,27 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         # a row with no other scorable row in its group has no baseline: 0 (RLOO, TRL's RLOOTrainer), not R / eps
         out = torch.where(count > 1, out, zero)
     if scale == "group":
-        out = out / (_group_std(grouped, valid, std) + eps)
+        out = _divide_by_std(out, _group_std(grouped, valid, std), eps, zero_std)
     elif scale == "batch":
         if std == "leave_one_out":
             raise ValueError("std: leave_one_out needs scale: group")
         flat, flat_valid = grouped.reshape(1, -1), valid.reshape(1, -1)
-        out = out / (_group_std(flat, flat_valid, std).reshape(grouped.shape) + eps)
+        out = _divide_by_std(out, _group_std(flat, flat_valid, std).reshape(grouped.shape), eps, zero_std)
     elif scale != "none":
         raise ValueError(f"unknown scale {scale!r}; choose group, batch or none")
     return torch.where(valid, out, zero).reshape(-1)
+
+
+def _divide_by_std(centred: torch.Tensor, s: torch.Tensor, eps: float, zero_std: str) -> torch.Tensor:
+    """``centred / (s + eps)``, left undivided where the rule says not to divide (see :func:`group_advantages`)."""
+    if zero_std == "epsilon":
+        divide = (s + eps) > 0
+    elif zero_std == "skip":
+        divide = s > 0
+    else:
+        raise ValueError(f"unknown zero_std {zero_std!r}; choose epsilon or skip")
+    one = torch.ones((), dtype=s.dtype, device=s.device)
+    return torch.where(divide, centred / torch.where(divide, s + eps, one), centred)
 
 
 def group_mean_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
