@@ -233,6 +233,19 @@ def test_k3_plus_clamp_bounds_the_value_not_the_k2_gradient():
     assert grad_k3.tolist() == pytest.approx([1 - 0.5, 0.0, 0.0], rel=1e-12)
 
 
+def test_k3_plus_is_finite_where_the_reference_log_prob_is_minus_infinity():
+    """NeMo-RL cross-check: log pi_ref = -inf on a loss token (d = +inf) made k3+ NaN, clamp or not (k2 = inf, then
+    inf - inf); k2 now comes from d clamped to +-20, so the value is k3's clamped value and the gradient 0 there."""
+    logp = torch.tensor([-1.0, -1.0], dtype=D, requires_grad=True)
+    ref = torch.tensor([float("-inf"), -1.5], dtype=D)
+    kl = ops.kl_estimate(logp, ref, "k3+", clamp=10.0)
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    assert kl.tolist() == pytest.approx([10.0, math.exp(-0.5) - 1 + 0.5], rel=1e-12)
+    assert grad.tolist() == pytest.approx([0.0, 0.5], rel=1e-12)
+    unclamped = ops.kl_estimate(logp.detach(), ref, "k3+")
+    assert math.isinf(unclamped[0].item()) and unclamped[0] > 0 and torch.isfinite(unclamped[1])
+
+
 # -- defect 4: returns and GAE skip interior masked (tool) tokens --------------------------------------------------------
 
 

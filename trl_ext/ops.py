@@ -94,7 +94,7 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
     ``k3+`` = the k3 value with the k2 gradient, ``k2 + sg(k3 - k2)`` (verl's "low_var_kl+" straight-through form:
     k2's gradient is the unbiased gradient of the KL). k3 clamps d below at -20 (the convention-6 clamp, as verl's
     low_var_kl), so it stays finite and >= 0 for any d, exact for d >= -20 and constant (zero gradient) below; k3+
-    takes its k2 gradient from the same clamped d. ``clamp``: optionally clamp the
+    takes its k2 gradient from d clamped to [-20, 20] (zero beyond; finite where log pi_ref is -inf). ``clamp``: optionally clamp the
     estimate to [-clamp, clamp] (verl clamps k3 to +-10); ``None`` = no clamp (TRL). For k3+ the clamp bounds the
     *value* only and the gradient stays k2's (verl's ``kl_penalty``: ``k2 - sg(k2) + sg(clamped k3)``, "regardless
     of the kl value estimation"); clamping the straight-through sum would zero the gradient wherever k3 > clamp
@@ -113,7 +113,11 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
         d_k3 = d.clamp(min=-LOG_RATIO_CLAMP)
         kl = torch.exp(-d_k3) - 1 + d_k3
         if estimator == "k3+":
-            k2 = 0.5 * d_k3 * d_k3  # the same clamp: at d = -inf an unclamped k2 would make the value inf - inf
+            # k2 (the gradient carrier) from d clamped to +-20 on both sides: at d = -inf or, where log pi_ref is -inf
+            # on a sampled token, d = +inf, an unclamped k2 makes the value inf - inf = NaN; beyond +-20 the gradient is
+            # then 0, as k3's below -20
+            d_k2 = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            k2 = 0.5 * d_k2 * d_k2
             value = kl if clamp is None else kl.clamp(-clamp, clamp)  # the clamp bounds the value, not the gradient
             return k2 + (value - k2).detach()
     else:
