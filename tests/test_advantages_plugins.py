@@ -166,6 +166,37 @@ def test_reinforce_pp_baseline_whitens_as_openrlhf_when_asked(tiny_trainer):
     assert torch.allclose(out["advantages"], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["sequence", "token"])
+def test_reinforce_pp_baseline_folds_the_kl_into_the_reward_in_either_form(tiny_trainer, form):
+    """kl_form sequence (verl's use_kl_in_reward: S = R - beta * sum_t KL_t, centred on the group mean of S) or token
+    (NeMo-RL: A'_t = R - group mean of R - beta * KL_t), then whitened; computed here by hand from the policy's and the
+    reference's log-probs (k1, beta 0.5; OpenRLHF / NeMo-RL whitening)."""
+    values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    plugin = ReinforcePPBaseline(ReinforcePPBaseline.Params(kl_coef=0.5, kl_form=form, whitening="openrlhf"))
+    trainer = tiny_trainer("grpo", plugins=[plugin], args={"beta": 0.04}, reward_funcs=[scripted_reward(values)])
+    with torch.no_grad():  # move the policy away from the reference so the KL is not zero
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = rollout(trainer)
+    mask = out["completion_mask"].double()
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, torch.cat([out["prompt_mask"], out["completion_mask"]], 1), mask.shape[1])
+    kl = (logps - out["ref_per_token_logps"]).double() * mask
+    assert kl.abs().sum() > 0
+    rewards = torch.tensor(values, dtype=torch.float64)
+    if form == "sequence":
+        score = (rewards - 0.5 * kl.sum(1)).view(2, 4)
+        per_token = (score - score.mean(1, keepdim=True)).view(-1, 1) * mask
+    else:
+        grouped = rewards.view(2, 4)
+        per_token = ((grouped - grouped.mean(1, keepdim=True)).view(-1, 1) - 0.5 * kl) * mask
+    valid = mask.bool()
+    expected = (per_token - per_token[valid].mean()) / per_token[valid].var(unbiased=False).clamp(min=1e-8).sqrt()
+    assert torch.allclose(out["advantages"].double(), expected * mask, atol=1e-4)
+
+
 @pytest.mark.parametrize("plugin", [RLOO(), ReinforcePP()])
 def test_one_training_step_runs(tiny_trainer, plugin):
     trainer = tiny_trainer("grpo", plugins=[plugin], args={"max_steps": 1, "beta": 0.04})

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
-from trl_ext import Plugin, PluginParams, Slot, hookimpl
+from trl_ext import Plugin, Slot, hookimpl
 from trl_ext_plugins.advantages.math import (
     Whitening,
     discounted_returns,
     group_mean_baseline,
     masked_whiten,
+    sequence_kl_rewards,
     token_rewards,
 )
 from trl_ext_plugins.advantages.rollout import (
     RewardKLHooks,
     RewardKLParams,
+    gathered,
     kept_loss_mask,
     kept_rewards,
     local,
@@ -29,8 +33,16 @@ WHITENING_HELP = ("How the advantages are whitened over the global batch: verl (
                   "1e-8))); they differ by sqrt((n - 1) / n) over n tokens.")
 
 
-class ReinforcePPBaselineParams(PluginParams):
+class ReinforcePPBaselineParams(RewardKLParams):
     whitening: Whitening = Field("verl", description=WHITENING_HELP)
+    kl_coef: float = Field(0.0, ge=0.0, description="beta of a KL to the reference folded into the reward (0, the "
+                           "default: none, the paper's form, where the KL is a loss term, args.beta).")
+    kl_form: Literal["sequence", "token"] = Field(
+        "sequence", description="How a KL in the reward (kl_coef > 0) enters: sequence (verl's use_kl_in_reward: the "
+        "score is R - beta * sum_t KL_t, centred on its group mean, then whitened) or token (NeMo-RL: A_t = (R - "
+        "group mean of R) - beta * KL_t, then whitened; the KL is not summed).")
+    kl_in_loss: bool = Field(True, description="With a non-zero args.beta and kl_coef > 0: true keeps TRL's args.beta "
+                             "k3 KL term in the loss too; false drops it (the KL only in the reward).")
 
 
 class ReinforcePPParams(RewardKLParams):
@@ -85,14 +97,20 @@ class ReinforcePP(RewardKLHooks, Plugin):
         return masked_whiten(returns, mask, rank_reduce(batch), self.params.whitening)
 
 
-class ReinforcePPBaseline(Plugin):
+class ReinforcePPBaseline(RewardKLHooks, Plugin):
     """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262), for several samples per prompt.
 
     ``A' = R - mean_group(R)`` (group mean of scorable rows), broadcast to the sequence's tokens, then whitened over
     the valid tokens of the *global* batch like ``reinforce_pp`` (unbiased variance, ``sqrt(var + 1e-8)``; ``whitening:
-    openrlhf`` for OpenRLHF's population variance and ``sqrt(max(var, 1e-8))``). No KL in
+    openrlhf`` for OpenRLHF's population variance and ``sqrt(max(var, 1e-8))``, also NeMo-RL's). By default no KL in
     the reward: the paper puts KL in the loss as a separate k2 term; here it is the GRPO trainer's ``args.beta``
-    term, which is TRL's k3 estimator. Unscorable rows, and rows ``trl_ext_filter_groups`` dropped, get advantage 0
+    term, which is TRL's k3 estimator. Frameworks that fold a KL into the reward differ on how, so ``kl_coef > 0``
+    names both (``KL_t`` from ``log pi_old - log pi_ref`` with ``kl_estimator``, k1 by default, clamped to
+    ``+-kl_clamp`` if given): ``kl_form: sequence`` is verl's ``use_kl_in_reward`` (its token rewards summed into the
+    score, ``S = R - beta * sum_t KL_t``, then ``S - mean_group(S)``), ``kl_form: token`` NeMo-RL's
+    (``A'_t = R - mean_group(R) - beta * KL_t``; with ``whitening: openrlhf``, ``kl_clamp: 10`` and k3 its default
+    reinforce_plus_plus estimator with ``use_kl_in_reward``). The reference log-probs are then computed as for
+    ``reinforce_pp`` (``kl_in_loss``). Unscorable rows, and rows ``trl_ext_filter_groups`` dropped, get advantage 0
     before whitening and are excluded from it.
     """
 
@@ -102,10 +120,20 @@ class ReinforcePPBaseline(Plugin):
     slots = frozenset({Slot.ADVANTAGE})
     Params = ReinforcePPBaselineParams
 
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.needs = self._reward_kl_needs()
+
     @hookimpl
     def trl_ext_compute_advantages(self, rewards, batch):
+        p = self.params
         rewards = kept_rewards(rewards, batch)  # filtered rows: NaN, so out of the whitening below
+        kl = reward_kl(batch, p.kl_estimator, p.kl_clamp, "reinforce_pp_baseline/kl") if p.kl_coef > 0 else None
+        if kl is not None and p.kl_form == "sequence":
+            rewards = sequence_kl_rewards(rewards, gathered(kl.sum(-1), batch), p.kl_coef)
         centred = local(rewards - group_mean_baseline(rewards, batch.num_generations), batch)
         mask = batch.loss_mask * (~torch.isnan(centred)).unsqueeze(-1)
-        per_token = torch.nan_to_num(centred).float().unsqueeze(-1) * mask
-        return masked_whiten(per_token, mask, rank_reduce(batch), self.params.whitening)
+        per_token = torch.where(mask.bool(), torch.nan_to_num(centred).float().unsqueeze(-1), 0.0)
+        if kl is not None and p.kl_form == "token":
+            per_token = torch.where(mask.bool(), per_token - p.kl_coef * kl, 0.0)
+        return masked_whiten(per_token, mask, rank_reduce(batch), p.whitening)
