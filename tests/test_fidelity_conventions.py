@@ -613,3 +613,55 @@ def test_remax_token_kl_on_the_grpo_trainer(tiny_trainer, monkeypatch):
         expected[row, :n] = torch.flip(torch.cumsum(torch.flip(r, [0]), 0), [0]) - seen["baseline"][row // 4].double()
     assert out["advantages"].shape == mask.shape
     assert torch.allclose(out["advantages"].double(), expected, atol=1e-4)
+
+
+# -- NeMo-RL's KL weight (kl_bias_correction: score) ----------------------------------------------------------------
+
+
+def test_score_weighted_kl_has_nemo_rls_value_and_gradient():
+    """NeMo-RL's test_clipped_pg_loss_kl_gradient_includes_sampling_term, by hand: log pi -1.2, log pi_ref -0.9, k3.
+    Value e^0.3 - 0.3 - 1 = 0.049859; gradient -(e^0.3 - 1) + 0.049859 = -0.300000 (the score term added). TRL's ratio
+    weight with pi_old -1.0 gives r * k3 and r * (k3 + dk3); no weight gives dk3 = -0.349859."""
+    logp = torch.tensor([-1.2], dtype=D, requires_grad=True)
+    ref, old = torch.tensor([-0.9], dtype=D), torch.tensor([-1.0], dtype=D)
+    k3 = math.exp(0.3) - 0.3 - 1
+    grads = {}
+    for mode in ("score", True, False):
+        term = ops.KLTerm("k3", bias_correction=mode)
+        value = term.per_token(logp, ref, torch.exp(logp - old))
+        (grads[mode],) = torch.autograd.grad(value.sum(), logp)
+        expected_value = k3 * (math.exp(-0.2) if mode is True else 1.0)
+        assert value.item() == pytest.approx(expected_value, rel=1e-12)
+    assert grads["score"].item() == pytest.approx(-0.3, abs=1e-12)
+    assert grads[False].item() == pytest.approx(1 - math.exp(0.3), rel=1e-12)
+    assert grads[True].item() == pytest.approx(math.exp(-0.2) * (k3 + 1 - math.exp(0.3)), rel=1e-12)
+
+
+def test_score_weight_equals_trls_ratio_on_policy_and_clamps_after_weighting():
+    logp = torch.tensor([-1.0, -2.0, -0.5, -4.0], dtype=D, requires_grad=True)
+    ref = torch.tensor([-1.3, -1.0, -0.5, -1.0], dtype=D)
+    on_policy_ratio = torch.exp(logp - logp.detach())
+    score = ops.KLTerm("k3", bias_correction="score").per_token(logp, ref)
+    ratio = ops.KLTerm("k3", bias_correction=True).per_token(logp, ref, on_policy_ratio)
+    g_score, g_ratio = (torch.autograd.grad(x.sum(), logp)[0] for x in (score, ratio))
+    assert torch.allclose(score, ratio) and torch.allclose(g_score, g_ratio)
+    # d = -3 (k3 = 16.09 > 10): NeMo-RL clamps the weighted value, so the gradient is 0 there; TRL-style r * clamp(k3)
+    # keeps 10 * grad r = 10
+    clamped = ops.KLTerm("k3", bias_correction="score", clamp=10.0).per_token(logp, ref)
+    (g,) = torch.autograd.grad(clamped.sum(), logp)
+    assert clamped[3].item() == 10.0 and g[3].item() == 0.0
+    weighted_after = ops.KLTerm("k3", bias_correction=True, clamp=10.0).per_token(logp, ref,
+                                                                                 torch.exp(logp - logp.detach()))
+    assert torch.autograd.grad(weighted_after.sum(), logp)[0][3].item() == pytest.approx(10.0)
+
+
+def test_grpo_score_kl_weight_leaves_trls_field_and_routes_its_own_term():
+    from trl_ext_plugins.losses.grpo import GRPO
+
+    plugin = GRPO(GRPO.Params(kl_bias_correction="score", kl_clamp=10.0))
+    assert "use_bias_correction_kl" not in plugin.trl_ext_configure_args(trainer="grpo", args={})
+    term = plugin.kl_term(True)
+    assert term.bias_correction == "score" and term.clamp == 10.0 and not term.is_trl()
+    assert ops.KLTerm("k3", bias_correction=False).is_trl()
+    with pytest.raises(ValueError, match="bias correction"):
+        ops.KLTerm("k3", bias_correction="ratio")

@@ -199,14 +199,20 @@ class KLTerm:
     is non-zero). ``estimator``: one of :data:`KL_ESTIMATORS` (default ``k3``, GRPO arXiv 2402.03300 and TRL);
     ``bias_correction``: multiply the estimate by the importance ratio pi_theta/pi_old (TRL's
     ``use_bias_correction_kl``, on by default in TRL 1.16; it makes the estimate unbiased for samples from pi_old);
-    ``clamp``: optional symmetric clamp of the estimate (verl uses 10 for k3; ``None`` = TRL, no clamp)."""
+    ``clamp``: optional symmetric clamp of the estimate (verl uses 10 for k3; ``None`` = TRL, no clamp).
+    ``bias_correction="score"`` is NeMo-RL's default weight instead: ``exp(log pi - sg(log pi))``, value 1, so the term's
+    value is the estimate and its gradient gains the score-function part ``KL_t * grad log pi`` (the KL's gradient on
+    tokens sampled from pi; on-policy it equals the ratio weight's gradient); the clamp then bounds the weighted value,
+    as NeMo-RL clamps after weighting (zero gradient where it binds)."""
 
     __slots__ = ("estimator", "bias_correction", "clamp", "coef")
 
-    def __init__(self, estimator: str = "k3", bias_correction: bool = True, clamp: float | None = None,
+    def __init__(self, estimator: str = "k3", bias_correction: bool | str = True, clamp: float | None = None,
                  coef: float | None = None):
         if estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+        if bias_correction not in (True, False, "score"):
+            raise ValueError(f"unknown KL bias correction {bias_correction!r}; choose true, false or score")
         self.estimator, self.bias_correction, self.clamp, self.coef = estimator, bias_correction, clamp, coef
 
     def __repr__(self) -> str:
@@ -219,13 +225,18 @@ class KLTerm:
         return beta if self.coef is None else self.coef
 
     def is_trl(self) -> bool:
-        """True when the term is exactly TRL's (k3, ``args.beta``, no clamp; bias correction is TRL's own field)."""
-        return self.estimator == "k3" and self.clamp is None and self.coef is None
+        """True when the term is exactly TRL's (k3, ``args.beta``, no clamp; a true/false bias correction is TRL's own
+        field)."""
+        return self.estimator == "k3" and self.clamp is None and self.coef is None and self.bias_correction != "score"
 
     def per_token(self, per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
                   ratio: torch.Tensor | None = None) -> torch.Tensor:
         """The per-token KL term before ``beta``; ``ratio`` (pi_theta/pi_old, with gradient, as TRL) is applied when
         ``bias_correction`` is on."""
+        if self.bias_correction == "score":
+            kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator)
+            kl = kl * torch.exp(per_token_logps - per_token_logps.detach())
+            return kl if self.clamp is None else kl.clamp(-self.clamp, self.clamp)
         kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator, self.clamp)
         return kl * ratio if self.bias_correction and ratio is not None else kl
 

@@ -16,10 +16,11 @@ class GRPOParams(PluginParams):
         "k3", description="Per-token estimator of KL(pi || pi_ref) in the beta-weighted loss term, d = log pi - log "
         "pi_ref: k1 = d; k2 = d^2/2; k3 = e^-d - 1 + d (paper, TRL); k3+ = k3's value with k2's gradient (verl "
         "'low_var_kl+'). Used only when args.beta != 0.")
-    kl_bias_correction: bool | None = Field(
+    kl_bias_correction: bool | Literal["score"] | None = Field(
         None, description="Multiply the KL estimate by the ratio pi_theta/pi_old (TRL's use_bias_correction_kl). "
-        "None: TRL's field decides (default true in TRL 1.16); false: the paper's plain estimate; sets "
-        "args.use_bias_correction_kl when given.")
+        "None: TRL's field decides (default true in TRL 1.16); false: the paper's plain estimate; true/false set "
+        "args.use_bias_correction_kl. score: NeMo-RL's default, the weight exp(log pi - sg(log pi)) (value 1, adds "
+        "the score-function term KL_t * grad log pi to the gradient), with kl_clamp bounding the weighted value.")
     kl_clamp: float | None = Field(None, gt=0, description="Clamp the KL estimate to [-c, c] (verl: 10 for k3); None: "
                                                            "no clamp (paper, TRL).")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (arXiv 1912.09729; verl clip_ratio_c "
@@ -39,7 +40,11 @@ class GRPO(ObjectivePlugin):
     ``e^(ref - logp) - (ref - logp) - 1``, the paper's and TRL's; its exponent is clamped to +-20). Convention: TRL
     1.16 multiplies it by the importance ratio ``r`` (``use_bias_correction_kl``, default true), which the paper does
     not; this plugin follows TRL's field by default and ``kl_bias_correction: false`` gives the paper's plain k3
-    (``true``/``false`` set the TRL field, so TRL's own path agrees). ``k3+`` keeps k3's value with k2's gradient.
+    (``true``/``false`` set the TRL field, so TRL's own path agrees); ``score`` is NeMo-RL's weight
+    ``exp(log pi - sg(log pi))``, whose gradient adds ``KL_t * grad log pi`` (the two agree on-policy, where
+    pi_old = sg(pi_theta); off-policy TRL's ratio weights the value too, NeMo-RL's does not), with NeMo-RL's clamp
+    order (``kl_clamp`` bounds the weighted value; NeMo-RL's default is 10 with k3). ``k3+`` keeps k3's value with
+    k2's gradient.
     ``dual_clip: c`` adds dual-clip PPO (Ye et al. 2020, arXiv 1912.09729; verl's ``clip_ratio_c``), off by default.
 
     Defaults: the clip range and KL weight are TRL's fields (``args.epsilon`` 0.2, ``args.beta``). The paper used
@@ -56,7 +61,7 @@ class GRPO(ObjectivePlugin):
 
     def extra_trl_args(self):
         bias = self.params.kl_bias_correction
-        return {} if bias is None else {"use_bias_correction_kl": bias}
+        return {"use_bias_correction_kl": bias} if isinstance(bias, bool) else {}
 
     def kl_term(self, trl_bias_correction: bool) -> ops.KLTerm:
         """The KL term this plugin's options select, given TRL's ``use_bias_correction_kl``."""
