@@ -32,6 +32,7 @@ from trl_ext.trainers.base import HostMixin
 ROLLOUT_HOOKS = ("trl_ext_shape_rewards", "trl_ext_filter_groups", "trl_ext_compute_advantages")
 LOSS_HOOKS = ("trl_ext_policy_loss", "trl_ext_token_weights", "trl_ext_aggregate_loss", "trl_ext_extra_loss")
 
+
 def vespo_objective(li: LossInputs) -> torch.Tensor:
     """TRL's VESPO loss (arXiv 2602.10693): ``-phi(w) * A * log pi`` with TRL's own Gamma weights
     (``GRPOTrainer.get_gamma_weights``, detached) of the sequence ratio ``w``, which folds in TRL's vLLM importance
