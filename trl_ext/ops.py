@@ -93,8 +93,10 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
     divergence", 2020): ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = e^-d - 1 + d`` (TRL's and GRPO's estimator, >= 0);
     ``k3+`` = the k3 value with the k2 gradient, ``k2 + sg(k3 - k2)`` (verl's "low_var_kl+" straight-through form:
     k2's gradient is the unbiased gradient of the KL). k3 clamps d below at -20 (the convention-6 clamp, as verl's
-    low_var_kl), so it stays finite and >= 0 for any d, exact for d >= -20 and constant (zero gradient) below; k3+
-    takes its k2 gradient from d clamped to [-20, 20] (zero beyond; finite where log pi_ref is -inf). ``clamp``: optionally clamp the
+    low_var_kl), so it stays >= 0 and finite for any finite d, exact for d >= -20 and constant (zero gradient) below;
+    k2 uses d clamped to [-20, 20] (exact inside, 200 beyond, zero gradient there) and k3+ takes its k2 gradient from
+    the same clamped d. Where log pi_ref is -inf on a sampled token (d = +inf) the KL is infinite: k1, k3 and k3+ are
+    then inf unless ``clamp`` bounds them (their gradients stay finite: 1, 1 and 0). ``clamp``: optionally clamp the
     estimate to [-clamp, clamp] (verl clamps k3 to +-10); ``None`` = no clamp (TRL). For k3+ the clamp bounds the
     *value* only and the gradient stays k2's (verl's ``kl_penalty``: ``k2 - sg(k2) + sg(clamped k3)``, "regardless
     of the kl value estimation"); clamping the straight-through sum would zero the gradient wherever k3 > clamp
@@ -104,7 +106,10 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
     if estimator == "k1":
         kl = d
     elif estimator == "k2":
-        kl = 0.5 * d * d
+        # d clamped to +-20, as k3's: where log pi_ref is -inf on a sampled token (d = +inf) an unclamped k2 is inf with
+        # gradient inf, and a clamp on the estimate then back-propagates 0 * inf = NaN
+        d_k2 = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        kl = 0.5 * d_k2 * d_k2
     elif estimator in ("k3", "k3+"):
         # Clamp d itself (not only the exponent) on the side where e^-d overflows: clamping just the exponent makes
         # k3 = e^20 - 1 + d for d < -20, which *decreases* as d decreases (gradient +1 instead of 1 - e^-d << 0, so
@@ -235,8 +240,15 @@ class KLTerm:
         ``bias_correction`` is on."""
         if self.bias_correction == "score":
             kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator)
-            kl = kl * torch.exp(per_token_logps - per_token_logps.detach())
-            return kl if self.clamp is None else kl.clamp(-self.clamp, self.clamp)
+            if self.clamp is None:
+                return kl * torch.exp(per_token_logps - per_token_logps.detach())
+            # clamp(w * KL) with w = 1 in value: the weighted estimate where it lies inside the clamp, the constant
+            # bound elsewhere; a non-finite estimate (log pi_ref = -inf) is zeroed before the product, whose backward
+            # would otherwise give 0 * inf = NaN even on the branch ``where`` discards
+            inside = kl.abs() <= self.clamp
+            safe = torch.where(inside, kl, torch.zeros_like(kl))
+            bound = torch.full_like(kl, self.clamp) * torch.sign(kl).detach()
+            return torch.where(inside, safe * torch.exp(per_token_logps - per_token_logps.detach()), bound)
         kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator, self.clamp)
         return kl * ratio if self.bias_correction and ratio is not None else kl
 
