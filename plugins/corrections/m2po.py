@@ -30,7 +30,9 @@ class M2PO(Plugin):
     removes tokens from the loss *and* from the aggregation denominator (convention 8; AReaL masks the loss mask).
     Conventions: the second moment is taken per micro-batch on this rank, not over the global batch; the paper's
     objective ``M * r * A`` without PPO clipping is obtained with an objective such as ``cispo`` or ``grpo`` with a wide
-    clip (AReaL ``eps_clip: 0``), since this plugin only masks.
+    clip, since this plugin only masks. AReaL's M2PO recipe (``gsm8k_m2po.yaml``) sets ``eps_clip: 0``, the narrowest
+    clip (r clamped to [1, 1]), not a wide one: ``args.epsilon: 0`` and ``args.epsilon_high: 0`` reproduce it
+    (checked against AReaL's loss, gradient included).
     ``scope`` (default ``all``, the paper's): ``ppo_active`` restricts both the statistic and the masking to the tokens
     the PPO clip leaves active (not ``A > 0, r > 1 + eps_high`` nor ``A < 0, r < 1 - eps_low``, ``r = pi_theta /
     pi_old``; issue 10's variant for clipped objectives): the M2 budget is then spent only on tokens that still move
