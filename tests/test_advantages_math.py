@@ -229,3 +229,17 @@ def test_zero_std_rules_agree_wherever_the_std_is_positive():
     r = torch.rand(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for kw in (dict(), dict(baseline="leave_one_out", std="leave_one_out", eps=1e-6), dict(scale="batch")):
         assert torch.equal(adv.group_advantages(r, 8, **kw), adv.group_advantages(r, 8, zero_std="skip", **kw))
+
+
+def test_areal_and_no_whitening():
+    """AReaL's Normalization: (x - mean) / (unbiased std + 1e-5); none leaves the values (slime's default); padding 0
+    in both, -inf there included."""
+    x = torch.tensor([[1.0, 2.0, float("-inf")], [4.0, 0.5, 3.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    valid = torch.tensor([1.0, 2.0, 4.0, 0.5, 3.0], dtype=torch.float64)
+    areal = adv.masked_whiten(x, mask, convention="areal")
+    expected = (valid - valid.mean()) / (valid.std() + 1e-5)
+    assert areal[mask.bool()].tolist() == pytest.approx(expected.tolist(), rel=1e-12)
+    assert areal[0, 2].item() == 0.0
+    none = adv.masked_whiten(x, mask, convention="none")
+    assert none[mask.bool()].tolist() == valid.tolist() and none[0, 2].item() == 0.0

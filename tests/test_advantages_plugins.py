@@ -152,6 +152,29 @@ def test_reinforce_pp_baseline_whitens_group_centred_rewards(tiny_trainer):
     assert torch.allclose(out["advantages"], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("whiten", ["areal", "verl"])
+def test_group_norm_whitens_the_group_advantages_over_tokens_when_asked(tiny_trainer, whiten):
+    """AReaL's GRPO recipes (reward_norm per group, then adv_norm over the batch's tokens, its (x - mean) / (std +
+    1e-5)) and slime's --normalize-advantages (verl's formula): the group-normalised advantage of each row on each of
+    its tokens, whitened over the loss tokens; computed here by hand (AReaL's recipes use epsilon 1e-5)."""
+    from trl_ext_plugins.advantages.group_norm import GroupNorm
+
+    values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    plugin = GroupNorm(GroupNorm.Params(whiten=whiten, epsilon=1e-5))
+    trainer = tiny_trainer("grpo", plugins=[plugin], reward_funcs=[scripted_reward(values)])
+    out = rollout(trainer)
+    mask = out["completion_mask"].double()
+    grouped = torch.tensor(values, dtype=torch.float64).view(2, 4)
+    per_row = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-5)
+    per_token = per_row.view(-1, 1) * mask
+    valid = mask.bool()
+    mean, std = per_token[valid].mean(), per_token[valid].std()
+    expected = (per_token - mean) / ((std + 1e-5) if whiten == "areal" else torch.sqrt(std ** 2 + 1e-8)) * mask
+    assert out["advantages"].shape == mask.shape
+    assert torch.allclose(out["advantages"].double(), expected, atol=1e-5)
+    assert not torch.allclose(out["advantages"].double(), per_token, atol=1e-3)  # the whitening moved them
+
+
 def test_reinforce_pp_baseline_whitens_as_openrlhf_when_asked(tiny_trainer):
     values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
     plugin = ReinforcePPBaseline(ReinforcePPBaseline.Params(whitening="openrlhf"))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import Field, model_validator
 
 from trl_ext import Plugin, PluginParams, Slot, hookimpl
-from trl_ext_plugins.advantages.math import group_advantages
-from trl_ext_plugins.advantages.rollout import kept_rewards, local
+from trl_ext_plugins.advantages.math import Whitening, group_advantages, masked_whiten
+from trl_ext_plugins.advantages.rollout import kept_loss_mask, kept_rewards, local, rank_reduce
 
 
 class GroupNormParams(PluginParams):
@@ -29,6 +30,11 @@ class GroupNormParams(PluginParams):
         "leaves the value undivided instead of 0/0); skip leaves R - b undivided (NeMo-RL). They differ only where R - "
         "b is nonzero with a zero std: under std: leave_one_out a row whose peers tie (binary [1, 0, 0, 0] with "
         "baseline: leave_one_out gives the 1 an advantage of 1 with skip, 1 / epsilon with epsilon).")
+    whiten: Whitening = Field(
+        "none", description="After the group statistic, whiten the advantages over the loss tokens of the global "
+        "batch (each row's value on each of its tokens): none (default; GRPO, TRL, verl), or with verl's, openrlhf's "
+        "or areal's formula (see reinforce_pp's whitening). AReaL's GRPO/GSPO/DAPO recipes (adv_norm after "
+        "reward_norm: areal) and slime's --normalize-advantages (verl's formula) do this.")
     single_sample: Literal["zero", "raw"] = Field(
         "zero", description="Groups of one sample (num_generations 1, e.g. eval): zero (TRL) or raw (verl: mean 0, "
         "std 1, A = R).")
@@ -53,7 +59,9 @@ class GroupNorm(Plugin):
     ``trl_ext_filter_groups`` dropped, get 0 and count in no statistic; a zero-variance group gives 0. A group of one
     sample (``num_generations: 1``, which TRL allows only in evaluation) gives 0 (TRL: R minus its own mean) or,
     with ``single_sample: raw``, verl's ``R / (1 + eps)`` (mean 0 and std 1 for a lone sample), whatever ``scale``
-    says.
+    says. ``whiten`` (off by default) then whitens the per-token advantages over the global batch's loss tokens, as
+    AReaL's GRPO recipes (``adv_norm``, its formula ``areal``) and slime's ``--normalize-advantages`` (``verl``) do;
+    the advantages are then ``(B, T)``, which TRL's loss takes as they are.
     """
 
     name = "group_norm"
@@ -70,4 +78,9 @@ class GroupNorm(Plugin):
         out = group_advantages(kept_rewards(rewards, batch), batch.num_generations, scale=p.scale, std=p.std,
                                baseline=p.baseline, eps=p.epsilon, single_sample=p.single_sample,
                                zero_std=p.zero_std)
-        return local(out, batch)
+        if p.whiten == "none":
+            return local(out, batch)
+        # (B, T): a filtered row's tokens leave the mask, so they count in no statistic and get 0
+        mask = kept_loss_mask(batch)
+        per_token = torch.where(mask.bool(), local(out, batch).to(mask.dtype).unsqueeze(-1), torch.zeros_like(mask))
+        return masked_whiten(per_token, mask, rank_reduce(batch), p.whiten)

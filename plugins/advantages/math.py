@@ -22,7 +22,8 @@ import torch
 
 Reduce = Callable[[torch.Tensor], torch.Tensor] | None
 WHITEN_EPS = 1e-8
-Whitening = Literal["verl", "openrlhf"]
+AREAL_WHITEN_EPS = 1e-5  # AReaL's Normalization adds it to the std
+Whitening = Literal["verl", "openrlhf", "areal", "none"]
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -319,8 +320,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, reduce: Reduce = Non
                   convention: Whitening = "verl") -> torch.Tensor:
     """Whiten over the valid tokens of the global batch; padding stays 0. ``verl`` (masked_whiten):
     ``(x - mean) / sqrt(var + 1e-8)`` with the unbiased variance (divided by n - 1); ``openrlhf`` (its experience
-    maker): ``(x - mean) / sqrt(max(var, 1e-8))`` with the population variance (divided by n). They differ by a factor
-    ``sqrt((n - 1) / n)`` (and near zero variance)."""
+    maker, also NeMo-RL's): ``(x - mean) / sqrt(max(var, 1e-8))`` with the population variance (divided by n). They
+    differ by a factor ``sqrt((n - 1) / n)`` (and near zero variance). ``areal`` (AReaL's ``Normalization``):
+    ``(x - mean) / (std + 1e-5)`` with the unbiased std. ``none``: the values as they are (slime's default
+    ``--normalize-advantages`` off), padding still 0."""
+    if convention == "none":
+        return torch.where(mask.bool(), values, torch.zeros_like(values))
+    if convention == "areal":
+        mean, var = masked_moments(values, mask, reduce)
+        return torch.where(mask.bool(), (values - mean) / (var.sqrt() + AREAL_WHITEN_EPS), torch.zeros_like(values))
     if convention == "openrlhf":
         mean, var = masked_moments(values, mask, reduce, ddof=0)
         scale = torch.rsqrt(var.clamp(min=WHITEN_EPS))

@@ -73,8 +73,9 @@ class PPOParams(RewardKLParams):
     whiten_advantages: bool = Field(True, description="Whiten the advantages over the valid tokens of the global "
                                     "batch (verl/OpenRLHF GAE default).")
     whitening: Whitening = Field("verl", description="How whiten_advantages whitens: verl (default; unbiased "
-                                 "variance, (x - mean) / sqrt(var + 1e-8)) or openrlhf (population variance, (x - mean) "
-                                 "/ sqrt(max(var, 1e-8))).")
+                                 "variance, (x - mean) / sqrt(var + 1e-8)), openrlhf (population variance, (x - mean) "
+                                 "/ sqrt(max(var, 1e-8))), areal ((x - mean) / (unbiased std + 1e-5)) or none (the "
+                                 "same as whiten_advantages: false).")
 
     @model_validator(mode="after")
     def _path_given(self):

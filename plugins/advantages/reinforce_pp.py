@@ -29,8 +29,10 @@ from trl_ext_plugins.advantages.rollout import (
 
 
 WHITENING_HELP = ("How the advantages are whitened over the global batch: verl (default; unbiased variance, "
-                  "(x - mean) / sqrt(var + 1e-8)) or openrlhf (population variance, (x - mean) / sqrt(max(var, "
-                  "1e-8))); they differ by sqrt((n - 1) / n) over n tokens.")
+                  "(x - mean) / sqrt(var + 1e-8)), openrlhf (population variance, (x - mean) / sqrt(max(var, 1e-8)); "
+                  "also NeMo-RL's), areal ((x - mean) / (unbiased std + 1e-5), AReaL's Normalization) or none (not "
+                  "whitened: slime without --normalize-advantages); verl and openrlhf differ by sqrt((n - 1) / n) over "
+                  "n tokens.")
 
 
 class ReinforcePPBaselineParams(RewardKLParams):
