@@ -189,11 +189,12 @@ def test_reinforce_pp_baseline_whitens_as_openrlhf_when_asked(tiny_trainer):
     assert torch.allclose(out["advantages"], expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("form", ["sequence", "token"])
+@pytest.mark.parametrize("form", ["sequence", "token", "returns"])
 def test_reinforce_pp_baseline_folds_the_kl_into_the_reward_in_either_form(tiny_trainer, form):
-    """kl_form sequence (verl's use_kl_in_reward: S = R - beta * sum_t KL_t, centred on the group mean of S) or token
-    (NeMo-RL: A'_t = R - group mean of R - beta * KL_t), then whitened; computed here by hand from the policy's and the
-    reference's log-probs (k1, beta 0.5; OpenRLHF / NeMo-RL whitening)."""
+    """kl_form sequence (verl's use_kl_in_reward: S = R - beta * sum_t KL_t, centred on the group mean of S), token
+    (NeMo-RL: A'_t = R - group mean of R - beta * KL_t) or returns (AReaL: - beta * sum_{s >= t} KL_s), then
+    whitened; computed here by hand from the policy's and the reference's log-probs (k1, beta 0.5; OpenRLHF / NeMo-RL
+    whitening)."""
     values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
     plugin = ReinforcePPBaseline(ReinforcePPBaseline.Params(kl_coef=0.5, kl_form=form, whitening="openrlhf"))
     trainer = tiny_trainer("grpo", plugins=[plugin], args={"beta": 0.04}, reward_funcs=[scripted_reward(values)])
@@ -214,7 +215,8 @@ def test_reinforce_pp_baseline_folds_the_kl_into_the_reward_in_either_form(tiny_
         per_token = (score - score.mean(1, keepdim=True)).view(-1, 1) * mask
     else:
         grouped = rewards.view(2, 4)
-        per_token = ((grouped - grouped.mean(1, keepdim=True)).view(-1, 1) - 0.5 * kl) * mask
+        penalty = kl if form == "token" else torch.flip(torch.cumsum(torch.flip(kl, [1]), 1), [1])
+        per_token = ((grouped - grouped.mean(1, keepdim=True)).view(-1, 1) - 0.5 * penalty) * mask
     valid = mask.bool()
     expected = (per_token - per_token[valid].mean()) / per_token[valid].var(unbiased=False).clamp(min=1e-8).sqrt()
     assert torch.allclose(out["advantages"].double(), expected * mask, atol=1e-4)

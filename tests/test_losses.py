@@ -430,3 +430,19 @@ def test_infinite_and_nan_values_at_masked_positions_change_nothing(plugin):
     (grad,) = torch.autograd.grad(value, hostile.per_token_logps)
     assert torch.isfinite(value) and torch.isfinite(grad).all()
     assert (grad[~real] == 0).all()
+
+
+def test_gspo_sequence_mean_advantage_is_areals():
+    """AReaL's GSPO replaces per-token advantages by each sequence's masked mean before the clip: log r = 0.3 on 4
+    tokens, A = [2, -1, 1, -1.5] (mean 0.125), eps 0.2: every token -min(e^0.3 * 0.125, 1.2 * 0.125) = -0.15. The
+    default keeps each token's own A (TRL, verl). A fifth, masked token with a NaN advantage stays out."""
+    theta = [[0.3, 0.3, 0.3, 0.3, 0.0]]
+    kw = dict(old=[[0.0] * 5], advantages=[[2.0, -1.0, 1.0, -1.5, float("nan")]], mask=[[1, 1, 1, 1, 0]])
+    p = GSPO.Params(epsilon_low=0.2, epsilon_high=0.2)
+    li = make_inputs(theta, **kw)
+    loss = GSPO(GSPO.Params(**{**p.model_dump(), "advantage": "sequence_mean"})).trl_ext_policy_loss(inputs=li)
+    assert loss.shape == (1, 1) and loss.item() == pytest.approx(-0.15, rel=1e-12)
+    own = GSPO(p).trl_ext_policy_loss(inputs=make_inputs(theta, **kw))
+    s = math.exp(0.3)
+    expected = [-min(s * a, min(max(s, 0.8), 1.2) * a) for a in (2.0, -1.0, 1.0, -1.5)]
+    assert own[0, :4].tolist() == pytest.approx(expected, rel=1e-12)

@@ -39,10 +39,11 @@ class ReinforcePPBaselineParams(RewardKLParams):
     whitening: Whitening = Field("verl", description=WHITENING_HELP)
     kl_coef: float = Field(0.0, ge=0.0, description="beta of a KL to the reference folded into the reward (0, the "
                            "default: none, the paper's form, where the KL is a loss term, args.beta).")
-    kl_form: Literal["sequence", "token"] = Field(
+    kl_form: Literal["sequence", "token", "returns"] = Field(
         "sequence", description="How a KL in the reward (kl_coef > 0) enters: sequence (verl's use_kl_in_reward: the "
-        "score is R - beta * sum_t KL_t, centred on its group mean, then whitened) or token (NeMo-RL: A_t = (R - "
-        "group mean of R) - beta * KL_t, then whitened; the KL is not summed).")
+        "score is R - beta * sum_t KL_t, centred on its group mean, then whitened), token (NeMo-RL: A_t = (R - "
+        "group mean of R) - beta * KL_t, then whitened; the KL is not summed) or returns (AReaL: A_t = (R - group "
+        "mean of R) - beta * sum_{s >= t} KL_s, the KL's reward-to-go, then whitened).")
     kl_in_loss: bool = Field(True, description="With a non-zero args.beta and kl_coef > 0: true keeps TRL's args.beta "
                              "k3 KL term in the loss too; false drops it (the KL only in the reward).")
 
@@ -111,7 +112,8 @@ class ReinforcePPBaseline(RewardKLHooks, Plugin):
     ``+-kl_clamp`` if given): ``kl_form: sequence`` is verl's ``use_kl_in_reward`` (its token rewards summed into the
     score, ``S = R - beta * sum_t KL_t``, then ``S - mean_group(S)``), ``kl_form: token`` NeMo-RL's
     (``A'_t = R - mean_group(R) - beta * KL_t``; with ``whitening: openrlhf``, ``kl_clamp: 10`` and k3 its default
-    reinforce_plus_plus estimator with ``use_kl_in_reward``). The reference log-probs are then computed as for
+    reinforce_plus_plus estimator with ``use_kl_in_reward``) and ``kl_form: returns`` AReaL's (the KL's
+    reward-to-go, ``A'_t = R - mean_group(R) - beta * sum_{s >= t} KL_s``; ``whitening: areal``). The reference log-probs are then computed as for
     ``reinforce_pp`` (``kl_in_loss``). Unscorable rows, and rows ``trl_ext_filter_groups`` dropped, get advantage 0
     before whitening and are excluded from it.
     """
@@ -136,6 +138,7 @@ class ReinforcePPBaseline(RewardKLHooks, Plugin):
         centred = local(rewards - group_mean_baseline(rewards, batch.num_generations), batch)
         mask = batch.loss_mask * (~torch.isnan(centred)).unsqueeze(-1)
         per_token = torch.where(mask.bool(), torch.nan_to_num(centred).float().unsqueeze(-1), 0.0)
-        if kl is not None and p.kl_form == "token":
-            per_token = torch.where(mask.bool(), per_token - p.kl_coef * kl, 0.0)
+        if kl is not None and p.kl_form in ("token", "returns"):
+            penalty = kl if p.kl_form == "token" else discounted_returns(kl, mask)
+            per_token = torch.where(mask.bool(), per_token - p.kl_coef * penalty, 0.0)
         return masked_whiten(per_token, mask, rank_reduce(batch), p.whitening)

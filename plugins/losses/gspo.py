@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl, ops
@@ -19,6 +20,10 @@ class GSPOParams(PluginParams):
         "sequence", description="'sequence': s_i = exp(mean_t log r) per sequence (TRL importance_sampling_level="
                                 "sequence); 'token': GSPO-token, s_it = sg[s_i] * pi/sg[pi], same value, per-token "
                                 "gradient, allows per-token advantages.")
+    advantage: Literal["token", "sequence_mean"] = Field(
+        "token", description="Per-token advantages (reinforce_pp, ppo) with the sequence ratio: token (each token "
+        "its own A; TRL, verl) or sequence_mean (each sequence's masked mean of A first, AReaL). Identical when A is "
+        "one value per sequence (every group advantage).")
 
 
 class GSPO(ObjectivePlugin):
@@ -29,7 +34,9 @@ class GSPO(ObjectivePlugin):
     per-token geometric mean). Aggregation seq-mean-token-mean (``args.loss_type: grpo``, as verl). Form
     ``sequence`` returns one loss per sequence and sets ``args.importance_sampling_level: sequence`` (TRL's GSPO; parity
     tested); form ``token`` is GSPO-token: the same value on every token, gradient ``s_i * grad log pi(y_t)``, equal to
-    the sequence form's gradient after seq-mean-token-mean when A is per sequence (tested).
+    the sequence form's gradient after seq-mean-token-mean when A is per sequence (tested). With per-token
+    advantages, ``advantage: sequence_mean`` replaces them by each sequence's mean first (AReaL's GSPO); the default
+    keeps each token's own (TRL, verl).
     """
 
     name = "gspo"
@@ -43,6 +50,10 @@ class GSPO(ObjectivePlugin):
     @hookimpl
     def trl_ext_policy_loss(self, inputs):
         _, log_ratio, advantages = math.masked_inputs(inputs)
+        if self.params.advantage == "sequence_mean" and advantages.shape[-1] > 1:
+            valid = inputs.mask.bool()
+            advantages = (torch.where(valid, advantages, torch.zeros_like(advantages)).sum(-1, keepdim=True)
+                          / inputs.mask.sum(-1, keepdim=True).clamp(min=1.0))
         if self.params.form == "sequence":
             ratio = math.gspo_sequence_ratio(log_ratio, inputs.mask)
         else:
