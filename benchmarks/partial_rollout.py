@@ -48,6 +48,16 @@ six GRPO seeds: lambda 0.75 + tis 0.444 against TRL at 8 x 8 per step 0.429), an
     TRL's with the bound and 0.21 without it; per trained trajectory 0.87 and 0.62.
   - Speed, ``--rollouts 16 --fractions 0.75 --max-deferrals none 1 2``, run twice: 0.56 / 0.62 of TRL's seconds per
     step with the bound of 1, 0.54 / 0.58 unbounded.
+- ``--arms`` runs only the named configurations (the runs are deterministic on one machine): ``--half-batch --arms
+  half --partial-steps 800 --long-tail 0.1 --eval-every 100 --grpo-seeds 0 1`` (TRL at 8 x 8 per step): 0.400 /
+  0.415 / 0.433 / 0.528 / 0.443 / 0.508 / 0.503 / 0.568 at 6.4k ... 51.2k trajectories, at or below the bound's
+  0.430 / 0.415 / 0.484 at about 8k / 16k / 24k.
+- ``--partial-batch ROWS`` over-provisions the plugin's generation batch (APRIL): ``--held-out 400 --partial-steps 400
+  --partial-batch 200 --fractions 0.75 --max-deferrals 1 --long-tail 0.1 --eval-every 100 --arms partial75_d1
+  --grpo-seeds 4 5``: 0.430 / 0.410 / 0.533 / 0.590 at steps 100-400 (116-128 trained per step) against TRL's 0.510 /
+  0.513 / 0.530 / 0.590 (``--arms plain``, same seeds); on an idle CPU (``--held-out 100 --partial-steps 100
+  --partial-batch 200 ... --arms plain partial75_d1 --grpo-seeds 4``) 0.66 of TRL's rollout seconds per step and per
+  trained trajectory.
 Before the fix:
 - speed, ``--fractions 0.75 0.9`` (defaults above): rollout seconds per step 0.58 and 0.85 of TRL's, per trained
   trajectory 1.06 and 1.08; ``--fractions 1.0`` 1.03 (1.14 with ``--batch 128 --generations 8
@@ -165,7 +175,8 @@ def timed_rollouts():
 def held_out(steps: int, partial_steps: int, fractions: list[float], correction: str, seed: int, out: Path,
              long_tail: float, eval_every: int, grpo_seeds: list[int] | None = None, half_batch: bool = False,
              mask_offpolicy: bool = False, stop_unit: str = "trajectories",
-             max_deferrals: list[int | None] = (None,), arms: list[str] | None = None) -> None:
+             max_deferrals: list[int | None] = (None,), arms: list[str] | None = None,
+             partial_batch: int | None = None) -> None:
     """configs/partial_rollout.yaml's GRPO stage without the plugin and at each lambda, from one SFT warm-up."""
     import yaml
 
@@ -207,8 +218,9 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], correction:
                 f"partial_rollout {fraction}" + (" groups" if stop_unit == "groups" else "")
                 + ("" if bound is None else f" defer<={bound}")
                 + (f" + {correction}" if correction != "none" else "")
-                + (" masked" if mask_offpolicy else ""),
-                [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"], {"max_steps": partial_steps})
+                + (" masked" if mask_offpolicy else "") + (f" gen {partial_batch}" if partial_batch else ""),
+                [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"],
+                {"max_steps": partial_steps, **({"per_device_train_batch_size": partial_batch} if partial_batch else {})})
     if arms:
         unknown = sorted(set(arms) - set(configurations))
         if unknown:
@@ -344,6 +356,10 @@ def main() -> None:
                         help="--held-out: one partial_rollout configuration per value of the plugin's max_deferrals "
                         "(a group deferred K times is generated to the end next round; none: unbounded)")
     parser.add_argument("--output-dir", default=None, help="where --held-out runs (default: a temporary folder)")
+    parser.add_argument("--partial-batch", type=int, default=None, metavar="ROWS",
+                        help="--held-out: the partial_rollout arms' generation batch (per_device_train_batch_size; TRL "
+                        "keeps the recipe's): over-provisioning, as APRIL does, so the groups that finish fill about "
+                        "TRL's batch per step")
     parser.add_argument("--arms", nargs="+", default=None, metavar="NAME",
                         help="--held-out: run only these configurations (plain, half, partial75, partial75_d1, ...); "
                         "the runs are deterministic on one machine, so an arm measured before need not run again")
@@ -352,7 +368,7 @@ def main() -> None:
         out = Path(a.output_dir or tempfile.mkdtemp(prefix="partial-heldout-"))
         held_out(a.held_out, a.partial_steps or a.held_out, a.fractions, a.correction, a.seed, out, a.long_tail,
                  a.eval_every, a.grpo_seeds, a.half_batch, a.mask_offpolicy, a.stop_unit,
-                 [None if k == "none" else int(k) for k in a.max_deferrals], a.arms)
+                 [None if k == "none" else int(k) for k in a.max_deferrals], a.arms, a.partial_batch)
         return
 
     from trl_ext.embedded.models import materialize_model

@@ -324,6 +324,28 @@ class PartialRollout(Plugin):
     the bound of 1 took 0.56 / 0.62 of TRL's seconds per step (0.94 / 1.05 per trained trajectory), against 0.54 / 0.58
     unbounded.
 
+    Where the early gap comes from, and how it closes, measured on the same long tails from the same warm-up:
+
+    * Against TRL training the batch the plugin trains (8 x 8 per step, ``--half-batch --arms half --partial-steps
+      800 --grpo-seeds 0 1``), the bound is not behind early: TRL at 8 x 8 reads 0.400 / 0.415 / 0.433 / 0.528 at 6.4k /
+      12.8k / 19.2k / 25.6k trajectories (0.443 / 0.508 / 0.503 / 0.568 at 32k / 38k / 45k / 51k), the bound 0.430 /
+      0.415 / 0.484 at about 8k / 16k / 24k. A smaller batch per step at the same learning rate learns less per
+      trajectory at first, and the plugin trains 59-72% of the generation batch per step.
+    * Two more GRPO seeds (4, 5; ``--held-out 400 --partial-steps 700 --max-deferrals 1 --arms plain partial75_d1``):
+      TRL 0.510 / 0.513 / 0.530 / 0.590 at 12.8k / 25.6k / 38.4k / 51.2k, the bound 0.485 / 0.505 / 0.475 / 0.448 /
+      0.500 / 0.573 / 0.513 at about 9k / 16k / 24k / 31k / 38k / 45k / 52k. Paired over the seeds measured (the bound
+      minus TRL, per seed): -0.038 at about 24k (six seeds, standard error 0.033), -0.079 at about 38k (four seeds,
+      0.044), -0.012 at about 52k (four seeds, 0.056). The differences between seeds (sd 0.08-0.11) are larger than the
+      mean gap, and in no column is the gap beyond two standard errors, but the point estimates trail until about 50k.
+    * Over-provisioning, as APRIL does: a generation batch of 25 prompts x 8 (``--partial-batch 200``) so that the
+      groups that finish fill about TRL's 128 rows (116-128 trained per step). At equal steps, which is then equal
+      trajectories (seeds 4, 5, 400 steps): 0.430 / 0.410 / 0.533 / 0.590 at steps 100-400 (12.5k / 24k / 35.5k /
+      46.5k trajectories) against TRL's 0.510 / 0.513 / 0.530 / 0.590; it trails at steps 100-200 and meets TRL from
+      step 300 on. Its rollout seconds per step on an idle CPU (seed 4, the first 100 steps, ``--held-out 100
+      --partial-steps 100 --partial-batch 200 --arms plain partial75_d1``) were 0.66 of TRL's, and so 0.66 per
+      trained trajectory, while training about TRL's batch per step. The first 100 to 200 steps stay behind in both
+      seeds, so the early dip is not only the batch size.
+
     Time. With geometric lengths on the untrained model (``benchmarks/partial_rollout.py --fractions 0.75 0.9``: 32
     trajectories, cap 64) rollout seconds per step were 0.58 (lambda 0.75) and 0.85 (0.9) of TRL's, per trained
     trajectory 1.06 and 1.08; at lambda 1 the plugin's generation costs 1.03 (this benchmark) to 1.14 (128 trajectories
