@@ -112,22 +112,30 @@ def test_remax_greedy_pass_one_per_prompt(tiny_trainer):
     assert calls[1] == texts
 
 
+def rollout_away_from_the_reference(trainer):
+    """A rollout after the policy moved away from the reference (so the KL is not zero), and ``d = log pi - log
+    pi_ref`` of its sampled tokens (float64), recomputed from the policy."""
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = rollout(trainer)
+    mask = out["completion_mask"]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, torch.cat([out["prompt_mask"], mask], 1), mask.shape[1])
+    d = (logps - out["ref_per_token_logps"]).double()
+    assert (d * mask).abs().sum() > 0
+    return out, d
+
+
 def test_reinforce_pp_token_advantages(tiny_trainer):
     params = ReinforcePPParams(kl_coef=0.5, kl_estimator="k2")
     values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
     trainer = tiny_trainer("grpo", plugins=[ReinforcePP(params)], args={"beta": 0.04},
                            reward_funcs=[scripted_reward(values)])
-    with torch.no_grad():  # move the policy away from the reference so the KL is not zero
-        for p in trainer.model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    out = rollout(trainer)
+    out, d = rollout_away_from_the_reference(trainer)
     mask = out["completion_mask"].float()
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, torch.cat([out["prompt_mask"], out["completion_mask"]], 1), mask.shape[1])
-    d = (logps - out["ref_per_token_logps"]).double()
-    assert (d * mask).abs().sum() > 0
     lengths = mask.sum(1).long()
     expected = torch.zeros_like(d)
     for row in range(8):  # r_t = 1[t = last] R - beta * d^2/2, G_t = sum_{s >= t} r_s
@@ -198,17 +206,9 @@ def test_reinforce_pp_baseline_folds_the_kl_into_the_reward_in_either_form(tiny_
     values = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
     plugin = ReinforcePPBaseline(ReinforcePPBaseline.Params(kl_coef=0.5, kl_form=form, whitening="openrlhf"))
     trainer = tiny_trainer("grpo", plugins=[plugin], args={"beta": 0.04}, reward_funcs=[scripted_reward(values)])
-    with torch.no_grad():  # move the policy away from the reference so the KL is not zero
-        for p in trainer.model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    out = rollout(trainer)
+    out, d = rollout_away_from_the_reference(trainer)
     mask = out["completion_mask"].double()
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, torch.cat([out["prompt_mask"], out["completion_mask"]], 1), mask.shape[1])
-    kl = (logps - out["ref_per_token_logps"]).double() * mask
-    assert kl.abs().sum() > 0
+    kl = d * mask
     rewards = torch.tensor(values, dtype=torch.float64)
     if form == "sequence":
         score = (rewards - 0.5 * kl.sum(1)).view(2, 4)
