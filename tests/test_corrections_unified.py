@@ -237,6 +237,32 @@ def test_k2_rejects_a_sequence_a_token_band_keeps():
     assert metrics["rollout_correction/changed_fraction"] == 0.5
 
 
+@pytest.mark.parametrize("statistic", ["k2_sum", "k2_max", "k3", "k3_sum", "k3_max"])
+def test_verls_sum_max_and_k3_divergence_statistics(statistic):
+    """verl's rollout_rs seq_sum_k2, seq_max_k2, seq_mean_k3, seq_sum_k3 and seq_max_k3 (k3 = e^l - 1 - l, k2 =
+    l^2 / 2, l = log rho_t), by hand on ROWS: a threshold between the two rows' values rejects exactly the larger."""
+    estimator, reduce = statistic.split("_") if "_" in statistic else (statistic, "mean")
+    per_token = {"k2": lambda l: 0.5 * l * l, "k3": lambda l: math.exp(l) - 1 - l}[estimator]
+    values = []
+    for row in ROWS:
+        terms = [per_token(math.log(x)) for x in row]
+        values.append({"sum": sum(terms), "max": max(terms), "mean": sum(terms) / len(terms)}[reduce])
+    high = max(range(2), key=lambda i: values[i])
+    threshold = (values[0] + values[1]) / 2
+    got, metrics = valid_weights(rc(level="token", mode="mask", statistic=statistic, upper=threshold), ROWS)
+    for i, row in enumerate(ROWS):
+        assert got[i] == ([0.0] * len(row) if i == high else pytest.approx(row, rel=1e-12))
+    assert metrics["rollout_correction/changed_sequence_fraction"] == 0.5
+    from trl_ext_plugins.corrections.rollout_correction import sequence_divergence
+
+    li = rho_inputs(ROWS)
+    log_rho = torch.where(li.mask.bool(), li.old_per_token_logps - li.sampling_per_token_logps, 0.0)
+    assert sequence_divergence(log_rho, li.mask, estimator, reduce).flatten().tolist() == pytest.approx(values,
+                                                                                                       rel=1e-12)
+    with pytest.raises(ValueError, match="only an upper threshold"):
+        RolloutCorrectionParams(statistic=statistic, upper=1.0, lower=0.1)
+
+
 def test_max_rejects_the_sequence_of_one_outlier_token():
     rows = [[1.0, 1.0, 4.0], [1.2, 0.9, 1.1]]
     token_band, _ = valid_weights(rc(), rows)

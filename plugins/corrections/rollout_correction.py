@@ -1,7 +1,7 @@
 """``rollout_correction``: the train/inference mismatch corrections as one family (issue 10).
 
-level {token, sequence, geometric} x mode {truncate, mask, reject} x rejection statistic {ratio, k2, max, sum} x
-thresholds {lower, upper}; ``tis``, ``mis`` and ``icepop`` are presets of it (bit-identical, tested).
+level {token, sequence, geometric} x mode {truncate, mask, reject} x rejection statistic {ratio, max, sum, and k2 / k3
+as a sequence mean, sum or max} x thresholds {lower, upper}; ``tis``, ``mis`` and ``icepop`` are presets of it (bit-identical, tested).
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ PRESETS: dict[str, dict] = {
 }
 # Statistics measured in ratio units (rho = pi_old / pi_rollout): lower and upper bound a ratio.
 RATIO_STATISTICS = ("ratio", "max", "sum")
+# Divergence statistics (>= 0, upper threshold only): name -> (per-token estimator, reduction over a sequence's loss
+# tokens), verl's rollout_rs names seq_{mean,sum,max}_{k2,k3}
+KL_STATISTICS: dict[str, tuple[str, str]] = {
+    "k2": ("k2", "mean"), "k2_sum": ("k2", "sum"), "k2_max": ("k2", "max"),
+    "k3": ("k3", "mean"), "k3_sum": ("k3", "sum"), "k3_max": ("k3", "max"),
+}
 
 
 # -- pure functions --------------------------------------------------------------------------------------------------
@@ -46,13 +52,21 @@ def outside_band(rho: torch.Tensor, lower: float | None, upper: float | None) ->
     return outside
 
 
-def sequence_k2(log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence mean over loss tokens of k2 = 0.5 (log rho_t)^2, ``(B, 1)`` (0 for a sequence without loss tokens).
-    log rho_t is clamped to +-20 first (verl's safety bound, :data:`trl_ext.ops.LOG_RATIO_CLAMP`), so k2 <= 200."""
+def sequence_divergence(log_rho: torch.Tensor, mask: torch.Tensor, estimator: str = "k2",
+                        reduce: str = "mean") -> torch.Tensor:
+    """Per sequence, ``(B, 1)``, the ``reduce`` (mean, sum or max) over its loss tokens of ``k2 = 0.5 l^2`` or
+    ``k3 = e^l - 1 - l`` with ``l = log rho_t`` (both >= 0; k3 is the k3 estimate of KL(pi_rollout || pi_old) from the
+    rollout's samples, as verl's ``rollout_rs``). 0 for a sequence without loss tokens. ``l`` is clamped to +-20 first
+    (verl's safety bound, :data:`trl_ext.ops.LOG_RATIO_CLAMP`), so k2 <= 200 and k3 <= e^20."""
     valid = mask.bool()
     clamped = log_rho.clamp(-ops.LOG_RATIO_CLAMP, ops.LOG_RATIO_CLAMP)
-    k2 = torch.where(valid, 0.5 * clamped * clamped, torch.zeros_like(clamped))
-    return k2.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1).to(k2.dtype)
+    per_token = 0.5 * clamped * clamped if estimator == "k2" else torch.expm1(clamped) - clamped
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))  # >= 0, so 0 is neutral for max too
+    if reduce == "max":
+        return per_token.max(-1, keepdim=True).values
+    total = per_token.sum(-1, keepdim=True)
+    return total if reduce == "sum" else total / valid.sum(-1, keepdim=True).clamp(min=1).to(total.dtype)
+
 
 
 def rejected(log_rho: torch.Tensor, mask: torch.Tensor, level: str, statistic: str, lower: float | None,
@@ -62,7 +76,8 @@ def rejected(log_rho: torch.Tensor, mask: torch.Tensor, level: str, statistic: s
     * ``ratio``: the level's rho (token, sequence product, geometric mean) outside [lower, upper];
     * ``sum``: the sequence product exp(sum_t log rho_t) outside [lower, upper] (whatever the level of the weight);
     * ``max``: any loss token's rho_t outside [lower, upper] (i.e. max_t |log rho_t| > log C for the band [1/C, C]);
-    * ``k2``: the sequence mean of 0.5 (log rho_t)^2 above ``upper`` (no lower threshold).
+    * ``k2``: the sequence mean of 0.5 (log rho_t)^2 above ``upper`` (no lower threshold); ``k2_sum``, ``k2_max``,
+      ``k3``, ``k3_sum``, ``k3_max``: the sum or max of k2, or the mean, sum or max of k3 (:data:`KL_STATISTICS`).
     Ratios are the +-20-clamped exp of :func:`trl_ext.ops.safe_ratio`, as the weights.
     """
     valid = mask.bool()
@@ -72,8 +87,8 @@ def rejected(log_rho: torch.Tensor, mask: torch.Tensor, level: str, statistic: s
         return outside_band(ops.safe_ratio(math.sequence_log_rho(log_rho, mask)), lower, upper)
     if statistic == "max":
         return (outside_band(ops.safe_ratio(log_rho), lower, upper) & valid).any(-1, keepdim=True)
-    if statistic == "k2":
-        return sequence_k2(log_rho, mask) > upper
+    if statistic in KL_STATISTICS:
+        return sequence_divergence(log_rho, mask, *KL_STATISTICS[statistic]) > upper
     raise ValueError(f"unknown rejection statistic {statistic!r}")
 
 
@@ -113,14 +128,17 @@ class RolloutCorrectionParams(CorrectionParams):
         "mask", description="truncate: weight clamp(rho, lower, upper) (TIS; needs statistic ratio); mask: weight rho, "
         "0 where the statistic rejects (MIS, IcePop; verl IS + RS); reject: weight 1, 0 where it rejects (pure "
         "rejection sampling: verl rollout_rs without rollout_is, e.g. its geometric-RS presets).")
-    statistic: Literal["ratio", "k2", "max", "sum"] = Field(
+    statistic: Literal["ratio", "max", "sum", "k2", "k2_sum", "k2_max", "k3", "k3_sum", "k3_max"] = Field(
         "ratio", description="What is compared with the thresholds. ratio: the level's rho; sum: the sequence product "
         "exp(sum_t log rho_t); max: every token's rho_t (one token outside rejects its sequence); k2: the sequence "
-        "mean of 0.5 (log rho_t)^2 (upper only). ratio/sum/max bounds are in ratio units.", validate_default=True)
+        "mean of 0.5 (log rho_t)^2; k2_sum / k2_max: its sum / max over the sequence; k3, k3_sum, k3_max: the same "
+        "of e^l - 1 - l, l = log rho_t (verl rollout_rs seq_{mean,sum,max}_{k2,k3}; upper only). ratio/sum/max "
+        "bounds are in ratio units.", validate_default=True)
     lower: float | None = Field(0.5, ge=0, validate_default=True, description="Lower ratio bound, inclusive (null: "
-                                "none; with statistic k2 it defaults to null and is refused if given).")
+                                "none; with a k2/k3 statistic it defaults to null and is refused if given).")
     upper: float | None = Field(2.0, gt=0, validate_default=True, description="Upper bound, inclusive (null: none): a "
-                                "ratio for ratio/sum/max; the k2 threshold for k2 (then required, no default).")
+                                "ratio for ratio/sum/max; the divergence threshold for k2/k3 statistics (then "
+                                "required, no default).")
     drop_from_denominator: bool = Field(False, description="mask/reject modes: false, a rejected token gets weight 0 "
                                         "and stays in the aggregation denominator (TRL, mis); true, it leaves it "
                                         "(verl's rejection mask).")
@@ -131,9 +149,9 @@ class RolloutCorrectionParams(CorrectionParams):
         if not isinstance(data, dict):
             return data
         given = dict(data)
-        if given.get("statistic") == "k2":
-            # The ratio-unit defaults (lower 0.5, upper 2, or a preset's) mean nothing for k2: lower defaults to null
-            # and upper must be given.
+        if given.get("statistic") in KL_STATISTICS:
+            # The ratio-unit defaults (lower 0.5, upper 2, or a preset's) mean nothing for a divergence: lower defaults
+            # to null and upper must be given.
             given.setdefault("lower", None)
             given.setdefault("upper", None)
         preset = given.get("preset")
@@ -158,8 +176,9 @@ class RolloutCorrectionParams(CorrectionParams):
     @field_validator("lower")
     @classmethod
     def _k2_has_no_lower(cls, value, info: ValidationInfo):
-        if value is not None and info.data.get("statistic") == "k2":
-            raise ValueError("statistic 'k2' (mean 0.5 (log rho)^2 >= 0) takes only an upper threshold; set lower: "
+        statistic = info.data.get("statistic")
+        if value is not None and statistic in KL_STATISTICS:
+            raise ValueError(f"statistic {statistic!r} (a divergence >= 0) takes only an upper threshold; set lower: "
                              "null")
         return value
 
@@ -167,8 +186,8 @@ class RolloutCorrectionParams(CorrectionParams):
     @classmethod
     def _bounds(cls, value, info: ValidationInfo):
         statistic, lower = info.data.get("statistic"), info.data.get("lower")
-        if value is None and statistic == "k2":
-            raise ValueError("statistic 'k2' needs an upper threshold")
+        if value is None and statistic in KL_STATISTICS:
+            raise ValueError(f"statistic {statistic!r} needs an upper threshold")
         if value is None and lower is None and "lower" in info.data:
             raise ValueError("give at least one of lower and upper")
         if value is not None and lower is not None and lower > value:
@@ -214,8 +233,12 @@ class UnifiedCorrection(RolloutCorrection):
       of its loss tokens has rho_t outside [lower, upper] (with [1/C, C]: max_t |log rho_t| > log C, equal to verl
       ``seq_max_k2`` at threshold 0.5 (log C)^2; ``lower`` alone is verl's former per-token veto); ``k2``, a sequence
       is rejected when mean_t 0.5 (log rho_t)^2 > ``upper`` (verl ``seq_mean_k2``, log rho_t clamped to +-20 as
-      verl). ratio/sum/max bounds are ratios, inclusive; k2 takes only ``upper`` (a lower k2 bound is refused).
-      verl's k3 statistics and ``seq_sum_k2`` are not covered.
+      verl); ``k2_sum`` / ``k2_max`` the sum / max over the sequence (verl ``seq_sum_k2`` / ``seq_max_k2``), and ``k3``,
+      ``k3_sum``, ``k3_max`` the mean / sum / max of ``e^l - 1 - l`` (verl ``seq_mean_k3`` / ``seq_sum_k3`` /
+      ``seq_max_k3``). ratio/sum/max bounds are ratios, inclusive; k2/k3 statistics take only ``upper`` (a lower bound
+      is refused). verl's per-token ``token_k2`` / ``token_k3`` are ``ratio`` at token level with the bounds where the
+      divergence equals the threshold (``token_k2`` u: [e^-sqrt(2u), e^sqrt(2u)]); verl's comma-chained criteria are
+      not covered.
     * ``drop_from_denominator`` (mask and reject modes): false, rejected tokens get weight 0 and stay in the aggregation
       denominator (TRL's ``*_mask``, mis, icepop; default); true, they leave it (verl's ``modified_response_mask``).
 
