@@ -645,23 +645,38 @@ def test_score_weight_equals_trls_ratio_on_policy_and_clamps_after_weighting():
     ratio = ops.KLTerm("k3", bias_correction=True).per_token(logp, ref, on_policy_ratio)
     g_score, g_ratio = (torch.autograd.grad(x.sum(), logp)[0] for x in (score, ratio))
     assert torch.allclose(score, ratio) and torch.allclose(g_score, g_ratio)
-    # d = -3 (k3 = 16.09 > 10): NeMo-RL clamps the weighted value, so the gradient is 0 there; TRL-style r * clamp(k3)
-    # keeps 10 * grad r = 10
-    clamped = ops.KLTerm("k3", bias_correction="score", clamp=10.0).per_token(logp, ref)
-    (g,) = torch.autograd.grad(clamped.sum(), logp)
-    assert clamped[3].item() == 10.0 and g[3].item() == 0.0
-    weighted_after = ops.KLTerm("k3", bias_correction=True, clamp=10.0).per_token(logp, ref,
-                                                                                 torch.exp(logp - logp.detach()))
-    assert torch.autograd.grad(weighted_after.sum(), logp)[0][3].item() == pytest.approx(10.0)
+    # d = -3 (k3 = 16.09 > 10): NeMo-RL and slime clamp the weighted value (clamp_weighted), so the gradient is 0
+    # there; clamping the estimate first, w * clamp(k3) keeps 10 * grad w = 10, whichever weight
+    for bias in ("score", True):
+        for weighted, expected in ((True, 0.0), (False, 10.0)):
+            term = ops.KLTerm("k3", bias_correction=bias, clamp=10.0, clamp_weighted=weighted)
+            clamped = term.per_token(logp, ref, torch.exp(logp - logp.detach()))
+            (g,) = torch.autograd.grad(clamped.sum(), logp)
+            assert clamped[3].item() == pytest.approx(10.0) and g[3].item() == pytest.approx(expected)
+            assert torch.allclose(clamped[:3], score[:3].detach())  # inside the clamp both orders are the estimate
+
+
+def test_weighted_clamp_bounds_the_ratio_weighted_value_as_slime():
+    """slime: clamp(r * k3, +-c); trl-ext's default r * clamp(k3). Clamp 1: d = 1.5 (k3 = 0.7231) with r = 2 gives
+    1 against 1.4462; d = -3 (k3 = 16.09) with r = e^-1 gives 1 against e^-1."""
+    logp = torch.tensor([0.0, -2.0], dtype=D, requires_grad=True)
+    ref = torch.tensor([-1.5, 1.0], dtype=D)
+    old = torch.tensor([-math.log(2.0), -1.0], dtype=D)
+    k3 = math.exp(-1.5) - 1 + 1.5
+    weighted = ops.KLTerm("k3", bias_correction=True, clamp=1.0, clamp_weighted=True)
+    estimate = ops.KLTerm("k3", bias_correction=True, clamp=1.0)
+    assert weighted.per_token(logp, ref, torch.exp(logp - old)).tolist() == pytest.approx([1.0, 1.0], rel=1e-12)
+    assert estimate.per_token(logp, ref, torch.exp(logp - old)).tolist() == pytest.approx([2 * k3, math.exp(-1)],
+                                                                                          rel=1e-12)
 
 
 def test_grpo_score_kl_weight_leaves_trls_field_and_routes_its_own_term():
     from trl_ext_plugins.losses.grpo import GRPO
 
-    plugin = GRPO(GRPO.Params(kl_bias_correction="score", kl_clamp=10.0))
+    plugin = GRPO(GRPO.Params(kl_bias_correction="score", kl_clamp=10.0, kl_clamp_order="weighted"))
     assert "use_bias_correction_kl" not in plugin.trl_ext_configure_args(trainer="grpo", args={})
     term = plugin.kl_term(True)
-    assert term.bias_correction == "score" and term.clamp == 10.0 and not term.is_trl()
+    assert term.bias_correction == "score" and term.clamp == 10.0 and term.clamp_weighted and not term.is_trl()
     assert ops.KLTerm("k3", bias_correction=False).is_trl()
     with pytest.raises(ValueError, match="bias correction"):
         ops.KLTerm("k3", bias_correction="ratio")

@@ -246,21 +246,23 @@ def test_k3_plus_is_finite_where_the_reference_log_prob_is_minus_infinity():
     assert math.isinf(unclamped[0].item()) and unclamped[0] > 0 and torch.isfinite(unclamped[1])
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["clamp-estimate", "clamp-weighted"])
 @pytest.mark.parametrize("estimator, bias", [("k2", False), ("k2", True), ("k3", "score"), ("k1", "score"),
                                              ("k2", "score"), ("k3", True), ("k3+", False)])
-def test_a_clamped_kl_keeps_finite_gradients_where_the_reference_log_prob_is_minus_infinity(estimator, bias):
+def test_a_clamped_kl_keeps_finite_gradients_where_the_reference_log_prob_is_minus_infinity(estimator, bias, weighted):
     """AReaL/slime cross-check: log pi_ref = -inf on a loss token (the reference gives a sampled token probability 0).
-    With a clamp the estimate there is the bound; k2 (any weight) and the score weight back-propagated 0 * inf = NaN
-    through the clamp. The gradient is now finite everywhere, and the token's KL gradient is 0 (the bound is
-    constant) except under TRL's ratio weight, whose r * clamp(KL) keeps c * grad r."""
+    With a clamp the estimate there is the bound; k2 (any weight) and a clamped weighted value back-propagated
+    0 * inf = NaN through the clamp. The gradient is now finite everywhere: on that token 0 where the clamp binds last
+    (no weight, or the weighted value clamped), c * grad w where the estimate is clamped before its weight."""
     logp = torch.tensor([-1.0, -0.5, -0.7], dtype=D, requires_grad=True)
     ref = torch.tensor([-1.2, float("-inf"), -0.9], dtype=D)
-    term = ops.KLTerm(estimator, bias_correction=bias, clamp=10.0)
+    term = ops.KLTerm(estimator, bias_correction=bias, clamp=10.0, clamp_weighted=weighted)
     kl = term.per_token(logp, ref, torch.exp(logp - logp.detach()))
     (grad,) = torch.autograd.grad(kl.sum(), logp)
     assert torch.isfinite(kl).all() and torch.isfinite(grad).all()
     assert kl[1].item() == pytest.approx(10.0)
-    assert grad[1].item() == pytest.approx(10.0 if bias is True and estimator != "k3+" else 0.0)
+    weight_after_clamp = bias is not False and not weighted and estimator != "k3+"
+    assert grad[1].item() == pytest.approx(10.0 if weight_after_clamp else 0.0)
 
 
 # -- defect 4: returns and GAE skip interior masked (tool) tokens --------------------------------------------------------

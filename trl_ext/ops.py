@@ -202,27 +202,28 @@ def dpo_sigmoid_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.T
 class KLTerm:
     """How the GRPO loss pipeline forms its per-token KL-to-reference term ``beta * KL_t`` (added when ``args.beta``
     is non-zero). ``estimator``: one of :data:`KL_ESTIMATORS` (default ``k3``, GRPO arXiv 2402.03300 and TRL);
-    ``bias_correction``: multiply the estimate by the importance ratio pi_theta/pi_old (TRL's
+    ``bias_correction``: the weight on the estimate: ``True``, the importance ratio pi_theta/pi_old (TRL's
     ``use_bias_correction_kl``, on by default in TRL 1.16; it makes the estimate unbiased for samples from pi_old);
-    ``clamp``: optional symmetric clamp of the estimate (verl uses 10 for k3; ``None`` = TRL, no clamp).
-    ``bias_correction="score"`` is NeMo-RL's default weight instead: ``exp(log pi - sg(log pi))``, value 1, so the term's
-    value is the estimate and its gradient gains the score-function part ``KL_t * grad log pi`` (the KL's gradient on
-    tokens sampled from pi; on-policy it equals the ratio weight's gradient); the clamp then bounds the weighted value,
-    as NeMo-RL clamps after weighting (zero gradient where it binds)."""
+    ``False``, none; ``"score"``, NeMo-RL's ``exp(log pi - sg(log pi))``, value 1, so the term's value is the estimate
+    and its gradient gains the score-function part ``KL_t * grad log pi`` (on-policy it equals the ratio weight).
+    ``clamp``: optional symmetric clamp (verl uses 10 for k3; ``None`` = TRL, no clamp), of the estimate before the
+    weight (``clamp_weighted`` false: verl, and TRL's order had it a clamp) or of the weighted value (true: NeMo-RL's
+    and slime's ``clamp(w * KL)``, zero gradient where it binds)."""
 
-    __slots__ = ("estimator", "bias_correction", "clamp", "coef")
+    __slots__ = ("estimator", "bias_correction", "clamp", "coef", "clamp_weighted")
 
     def __init__(self, estimator: str = "k3", bias_correction: bool | str = True, clamp: float | None = None,
-                 coef: float | None = None):
+                 coef: float | None = None, clamp_weighted: bool = False):
         if estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
         if bias_correction not in (True, False, "score"):
             raise ValueError(f"unknown KL bias correction {bias_correction!r}; choose true, false or score")
         self.estimator, self.bias_correction, self.clamp, self.coef = estimator, bias_correction, clamp, coef
+        self.clamp_weighted = clamp_weighted
 
     def __repr__(self) -> str:
         return (f"KLTerm({self.estimator!r}, bias_correction={self.bias_correction}, clamp={self.clamp}, "
-                f"coef={self.coef})")
+                f"coef={self.coef}, clamp_weighted={self.clamp_weighted})")
 
     def weight(self, beta: float) -> float:
         """The loss coefficient: ``coef`` when set (0 = no loss term, e.g. a KL folded into the reward only, with
@@ -236,21 +237,23 @@ class KLTerm:
 
     def per_token(self, per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
                   ratio: torch.Tensor | None = None) -> torch.Tensor:
-        """The per-token KL term before ``beta``; ``ratio`` (pi_theta/pi_old, with gradient, as TRL) is applied when
-        ``bias_correction`` is on."""
+        """The per-token KL term before ``beta``; ``ratio`` (pi_theta/pi_old, with gradient, as TRL) is the weight
+        when ``bias_correction`` is true."""
         if self.bias_correction == "score":
-            kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator)
-            if self.clamp is None:
-                return kl * torch.exp(per_token_logps - per_token_logps.detach())
-            # clamp(w * KL) with w = 1 in value: the weighted estimate where it lies inside the clamp, the constant
-            # bound elsewhere; a non-finite estimate (log pi_ref = -inf) is zeroed before the product, whose backward
-            # would otherwise give 0 * inf = NaN even on the branch ``where`` discards
-            inside = kl.abs() <= self.clamp
-            safe = torch.where(inside, kl, torch.zeros_like(kl))
-            bound = torch.full_like(kl, self.clamp) * torch.sign(kl).detach()
-            return torch.where(inside, safe * torch.exp(per_token_logps - per_token_logps.detach()), bound)
-        kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator, self.clamp)
-        return kl * ratio if self.bias_correction and ratio is not None else kl
+            weight = torch.exp(per_token_logps - per_token_logps.detach())
+        else:
+            weight = ratio if self.bias_correction and ratio is not None else None
+        if weight is None or self.clamp is None or not self.clamp_weighted:
+            kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator, self.clamp)
+            return kl if weight is None else kl * weight
+        # clamp(w * KL): the weighted estimate where its value lies inside the clamp, the constant bound elsewhere; a
+        # non-finite estimate (log pi_ref = -inf) is zeroed before the product, whose backward would otherwise give
+        # 0 * inf = NaN even on the branch ``where`` discards
+        kl = kl_estimate(per_token_logps, ref_per_token_logps, self.estimator)
+        value = kl.detach() * weight.detach()
+        inside = value.abs() <= self.clamp
+        safe = torch.where(inside, kl, torch.zeros_like(kl))
+        return torch.where(inside, safe * weight, torch.sign(value) * self.clamp)
 
 
 # -- truncated sampling (top-k / top-p / min-p) -----------------------------------------------------------------------

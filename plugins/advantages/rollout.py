@@ -117,8 +117,9 @@ def drop_loss_kl(trainer) -> None:
     """Keep the KL out of the loss (the reference log-probs are still computed because ``args.beta != 0``)."""
     from trl_ext import ops
 
-    trainer.kl_term = ops.KLTerm(trainer.kl_term.estimator, trainer.kl_term.bias_correction, trainer.kl_term.clamp,
-                                 coef=0.0)
+    term = trainer.kl_term
+    trainer.kl_term = ops.KLTerm(term.estimator, term.bias_correction, term.clamp, coef=0.0,
+                                 clamp_weighted=term.clamp_weighted)
 
 
 class RewardKLHooks:

@@ -20,9 +20,13 @@ class GRPOParams(PluginParams):
         None, description="Multiply the KL estimate by the ratio pi_theta/pi_old (TRL's use_bias_correction_kl). "
         "None: TRL's field decides (default true in TRL 1.16); false: the paper's plain estimate; true/false set "
         "args.use_bias_correction_kl. score: NeMo-RL's default, the weight exp(log pi - sg(log pi)) (value 1, adds "
-        "the score-function term KL_t * grad log pi to the gradient), with kl_clamp bounding the weighted value.")
+        "the score-function term KL_t * grad log pi to the gradient).")
     kl_clamp: float | None = Field(None, gt=0, description="Clamp the KL estimate to [-c, c] (verl: 10 for k3); None: "
                                                            "no clamp (paper, TRL).")
+    kl_clamp_order: Literal["estimate", "weighted"] = Field(
+        "estimate", description="What kl_clamp bounds when the KL carries a weight (kl_bias_correction true or score): "
+        "estimate, the estimate before the weight (w * clamp(KL), as verl clamps its unweighted KL); weighted, the "
+        "weighted value (clamp(w * KL), zero gradient where it binds: NeMo-RL, slime).")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (arXiv 1912.09729; verl clip_ratio_c "
                                                             "3.0): for A<0 the token loss is capped at -c*A. None: "
                                                             "plain PPO clip (paper, TRL).")
@@ -42,9 +46,9 @@ class GRPO(ObjectivePlugin):
     not; this plugin follows TRL's field by default and ``kl_bias_correction: false`` gives the paper's plain k3
     (``true``/``false`` set the TRL field, so TRL's own path agrees); ``score`` is NeMo-RL's weight
     ``exp(log pi - sg(log pi))``, whose gradient adds ``KL_t * grad log pi`` (the two agree on-policy, where
-    pi_old = sg(pi_theta); off-policy TRL's ratio weights the value too, NeMo-RL's does not), with NeMo-RL's clamp
-    order (``kl_clamp`` bounds the weighted value; NeMo-RL's default is 10 with k3). ``k3+`` keeps k3's value with
-    k2's gradient.
+    pi_old = sg(pi_theta); off-policy TRL's ratio weights the value too, NeMo-RL's does not). ``kl_clamp_order``
+    says what ``kl_clamp`` bounds under a weight: the estimate (default) or the weighted value (NeMo-RL and slime;
+    NeMo-RL's default KL is k3, ``score``, ``weighted``, clamp 10). ``k3+`` keeps k3's value with k2's gradient.
     ``dual_clip: c`` adds dual-clip PPO (Ye et al. 2020, arXiv 1912.09729; verl's ``clip_ratio_c``), off by default.
 
     Defaults: the clip range and KL weight are TRL's fields (``args.epsilon`` 0.2, ``args.beta``). The paper used
@@ -67,7 +71,8 @@ class GRPO(ObjectivePlugin):
         """The KL term this plugin's options select, given TRL's ``use_bias_correction_kl``."""
         p = self.params
         bias = trl_bias_correction if p.kl_bias_correction is None else p.kl_bias_correction
-        return ops.KLTerm(p.kl_estimator, bias_correction=bias, clamp=p.kl_clamp)
+        return ops.KLTerm(p.kl_estimator, bias_correction=bias, clamp=p.kl_clamp,
+                          clamp_weighted=p.kl_clamp_order == "weighted")
 
     @hookimpl
     def trl_ext_trainer_created(self, trainer):
