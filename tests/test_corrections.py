@@ -136,6 +136,17 @@ def test_m2po_plugin_uses_rollout_logprobs_and_masks():
     assert reduce_figures(li.metrics)["m2po/changed_fraction"] == pytest.approx(0.25)
 
 
+def test_m2po_policy_old_measures_the_proximal_policy_as_areal():
+    """AReaL takes M2 of log pi_prox - log pi_behave (trl-ext's pi_old), the paper of pi_theta: the same on the first
+    micro-batch, apart once pi_theta has moved. Here pi_old sits where theta did above (the first token masked), while
+    pi_theta has moved back to the behaviour policy (nothing to mask)."""
+    old = torch.tensor([[0.5, 0.1, -0.1, 0.05]], dtype=D)
+    li = make_inputs(torch.zeros(1, 4, dtype=D), old=old, rollout=torch.zeros(1, 4))
+    assert M2PO().trl_ext_token_weights(inputs=li).mask.all()
+    tw = M2PO(M2PO.Params(policy="old")).trl_ext_token_weights(inputs=li)
+    assert tw.mask.tolist() == [[False, True, True, True]]
+
+
 # -- Hostile values at padding and cancellation -----------------------------------------------------------------------
 
 

@@ -19,12 +19,19 @@ class M2POParams(PluginParams):
         "paper, AReaL). ppo_active: only the tokens the PPO clip leaves active (ratio pi_theta/pi_old inside the "
         "clip on the side of the advantage's sign, args.epsilon/epsilon_high); clipped tokens, whose gradient the clip "
         "already removes, are never masked and do not count in M2.")
+    policy: Literal["current", "old"] = Field(
+        "current", description="The policy r compares with the behaviour policy: current (pi_theta, detached; the "
+        "paper's r) or old (pi_old, the policy that started the step: AReaL's proximal policy). They differ only once "
+        "pi_theta has moved within a generation batch (num_iterations > 1, or steps_per_generation > "
+        "gradient_accumulation_steps).")
 
 
 class M2PO(Plugin):
     """M2PO (Zheng, Zhao, Chen 2025, "Prosperity before Collapse", arXiv 2510.01161).
 
-    ``M2 = (1/N) sum (log r)^2`` with ``r = pi_theta / pi_behaviour`` over the micro-batch's loss tokens; the tokens with
+    ``M2 = (1/N) sum (log r)^2`` with ``r = pi_theta / pi_behaviour`` (``policy: old``: ``pi_old / pi_behaviour``,
+    AReaL's proximal policy, the same until pi_theta moves within a generation batch) over the micro-batch's loss
+    tokens; the tokens with
     the largest (log r)^2 are masked until the mean of the rest is <= tau_M2 (default 0.04, AReaL's ``m2_threshold``).
     pi_behaviour is the rollout engine's log-probs when recorded (vLLM or ``rollout_logprobs``), else pi_old. The mask
     removes tokens from the loss *and* from the aggregation denominator (convention 8; AReaL masks the loss mask).
@@ -67,7 +74,8 @@ class M2PO(Plugin):
         behaviour = inputs.sampling_per_token_logps
         if behaviour is None:
             behaviour = inputs.old_per_token_logps
-        log_ratio = math.masked_log_ratio(inputs.per_token_logps.detach(), behaviour, inputs.mask)
+        policy = inputs.per_token_logps.detach() if self.params.policy == "current" else inputs.old_per_token_logps
+        log_ratio = math.masked_log_ratio(policy, behaviour, inputs.mask)
         valid = inputs.mask.bool()
         scope = valid
         if self.params.scope == "ppo_active":
