@@ -64,3 +64,26 @@ def test_skip_special_tokens_decodes_as_trl_decodes_completions_for_rewards():
     trl_text = tokenizer.batch_decode([completion_ids], skip_special_tokens=True)[0]
     assert trl_text == "add(12,3)"
     assert samples == [[trl_text] * 3] * 2
+
+
+def test_samples_come_from_the_models_own_distribution_whatever_its_generation_config():
+    """A model shipping sampling defaults (Qwen2.5-Instruct: repetition_penalty 1.05) or a min_p was not sampled from
+    its own distribution: transformers fills every field a call leaves unset from model.generation_config. The same
+    seed now gives the same samples with and without those fields, and the model's config is restored afterwards."""
+    from trl_ext.embedded.models import build_model
+
+    tokenizer = embedded_tokenizer("tiny-qwen2")
+    prompts = ["12+3=", "7+40="]
+
+    def draw(**config):
+        model = build_model("tiny-qwen2", seed=0).float()
+        for key, value in config.items():
+            setattr(model.generation_config, key, value)
+        samples = sample_completions(model, tokenizer, prompts, num_samples=4, max_new_tokens=12, do_sample=True,
+                                     temperature=1.0, seed=0)
+        assert all(getattr(model.generation_config, key) == value for key, value in config.items())
+        return samples
+
+    plain = draw()
+    assert draw(repetition_penalty=5.0) == plain
+    assert draw(min_p=0.5, no_repeat_ngram_size=1) == plain

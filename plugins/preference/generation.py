@@ -16,6 +16,7 @@ current policy, best vs worst) and ``qrpo`` (n reference completions and their r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -168,7 +169,10 @@ def sample_completions(model, tokenizer, prompts: list, *, num_samples: int = 1,
     """``num_samples`` completions (text) per prompt. Greedy when ``do_sample`` is false (then one distinct answer).
 
     Sampling draws from the full distribution except for ``top_p`` (``top_k=0``, as TRL's samplers do), seeded with
-    ``seed`` in a forked RNG so the caller's random state is untouched.
+    ``seed`` in a forked RNG so the caller's random state is untouched. The model's own ``generation_config`` is set
+    aside for the call (:func:`own_distribution`): transformers fills every field a call leaves unset from it, so a
+    model that ships, say, ``repetition_penalty: 1.05`` or a ``min_p`` would otherwise not be sampled from its own
+    distribution (QRPO's reference samples must be draws of pi_ref).
 
     Each completion is cut after its first eos. By default special tokens stay in the text (a finished completion
     ends with the eos text, as training data for SFT/DPO needs). ``skip_special_tokens=True`` decodes as TRL's
@@ -185,7 +189,7 @@ def sample_completions(model, tokenizer, prompts: list, *, num_samples: int = 1,
     model.eval()
     out: list[list[str]] = []
     try:
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), own_distribution(model):
             torch.manual_seed(seed)
             for start in range(0, len(texts), batch_size):
                 batch = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
@@ -199,6 +203,27 @@ def sample_completions(model, tokenizer, prompts: list, *, num_samples: int = 1,
     finally:
         model.train(was_training)
     return out
+
+
+@contextlib.contextmanager
+def own_distribution(model):
+    """Within the block, ``model`` (and the model a PEFT wrapper generates with) has a plain ``GenerationConfig``
+    holding only its special token ids and cache setting, so ``generate`` applies no sampling field the caller did not
+    pass (repetition penalties, min_p, typical_p, n-gram bans, forced or suppressed tokens, minimum lengths)."""
+    from transformers import GenerationConfig
+
+    holders = [m for m in {id(x): x for x in (model, getattr(model, "get_base_model", lambda: None)())}.values()
+               if m is not None and getattr(m, "generation_config", None) is not None]
+    saved = [m.generation_config for m in holders]
+    for m, config in zip(holders, saved):
+        m.generation_config = GenerationConfig(
+            bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+            decoder_start_token_id=config.decoder_start_token_id, cache_implementation=config.cache_implementation)
+    try:
+        yield
+    finally:
+        for m, config in zip(holders, saved):
+            m.generation_config = config
 
 
 def _until_eos(ids: list[int], eos: int, pad: int | None) -> list[int]:
