@@ -107,6 +107,14 @@ def test_rpo_kl_with_an_infinite_target_gap_is_finite_with_a_finite_gradient():
     assert pm.bernoulli_kl(t(-math.inf), t(0.0)).item() == pytest.approx(math.log(2), abs=1e-12)
 
 
+def test_rpo_reports_a_nan_policy_gap_in_every_form():
+    """A NaN policy gap (NaN log-probs) made rpo's fwd_kl loss 0 with a NaN gradient: the KL terms took NaN for p = 0.
+    Every form now reports NaN, as dpo and NeMo-Aligner's fwd_kl do."""
+    for fn in (pm.rpo_bwd_kl_loss, pm.rpo_fwd_kl_loss, pm.rpo_sq_loss):
+        assert math.isnan(fn(t(math.nan), t(1.0)).item())
+    assert math.isnan(pm.bernoulli_kl(t(math.nan), t(0.0)).item())
+
+
 def test_qrpo_quantile_partition_and_loss():
     r_q = pm.quantile_reward(t(0.6), t(0.1, 0.5, 0.9, 0.3).unsqueeze(0))
     assert r_q.item() == pytest.approx(0.75, abs=1e-12)

@@ -76,8 +76,10 @@ def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 
     The difference is masked with ``torch.where`` *before* it multiplies ``p``: ``where(p > 0, p * (log_p - log_q),
     0)`` has the right value but a NaN gradient where ``log_p = -inf`` (the unused branch's derivative is
-    ``log_p - log_q = -inf`` times a zero upstream gradient), and ``0 * -inf`` is NaN in value too."""
-    support = log_p > -math.inf
+    ``log_p - log_q = -inf`` times a zero upstream gradient), and ``0 * -inf`` is NaN in value too. A NaN ``log_p`` is
+    not taken for ``p = 0``: it gives NaN (``log_p > -inf`` is false for NaN, and the term was silently 0 while its
+    gradient was NaN)."""
+    support = log_p != -math.inf
     diff = where_mask(log_p - log_q, support)
     return where_mask(log_p.exp() * diff, support)
 
