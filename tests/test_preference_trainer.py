@@ -289,3 +289,24 @@ def test_reference_free_refuses_ref_model():
     stage = _stage(ref_model="some/model")
     assert any("reference-free" in e for e in SimPO().trl_ext_validate_stage(stage=stage, plugins=[]))
     assert DPO().trl_ext_validate_stage(stage=stage, plugins=[]) == []
+
+
+def test_a_beta_the_preference_loss_cannot_use_is_refused_before_loading():
+    """beta scales every DPO-family implicit reward: 0 made IPO and QRPO fail at the first step (after the models
+    loaded) and left DPO a constant loss; a negative beta silently reversed the preference."""
+    from trl_ext.catalog import Catalog
+    from trl_ext.errors import RecipeError
+    from trl_ext.stage import resolve_stage
+
+    catalog = Catalog.discover()
+
+    def stage(plugins, **args):
+        return StageSpec(trainer="dpo", model="embedded:tiny-qwen2", dataset="embedded:arithmetic", plugins=plugins,
+                         args=args)
+
+    for plugins, beta in ((["ipo"], 0.0), (["qrpo"], 0.0), (["dpo"], -0.1), ([], 0.0), (["orpo"], -1.0)):
+        with pytest.raises(RecipeError, match=r"stages\[0\]\.args\.beta: "):
+            resolve_stage(stage(plugins, beta=beta), 0, catalog)
+    resolve_stage(stage(["orpo"], beta=0.0), 0, catalog)  # ORPO's lambda 0: the NLL term alone
+    resolve_stage(stage([], beta=0.0, loss_type=["sft"]), 0, catalog)  # TRL's loss without a preference term
+    resolve_stage(stage(["ipo"], beta=0.1), 0, catalog)

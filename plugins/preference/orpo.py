@@ -24,6 +24,7 @@ class ORPO(PreferenceLoss):
     name = "orpo"
     needs = frozenset()
     reference_free = True
+    beta_may_be_zero = True  # lambda 0: the NLL term alone (SFT)
     Params = NoParams
 
     @hookimpl

@@ -40,12 +40,34 @@ def _is_neutral(key: str, value) -> bool:
 
 
 def check_dpo_stage(host, stage, args: dict, where: str) -> list[str]:
-    """DPO's own validation (TrainerKind.check): TRL loss options a preference-loss plugin would silently ignore."""
+    """DPO's own validation (TrainerKind.check): ``beta`` the loss can use, and TRL loss options a preference-loss
+    plugin would silently ignore."""
     owner = host.filling(Slot.PREFERENCE_LOSS)
+    errors = beta_errors(args, where, owner)
     if owner is None:
+        return errors
+    return errors + [f"{where}.args.{key}: TRL's DPO option has no effect with the preference-loss plugin "
+                     f"{owner.name!r}; remove it" for key in DPO_OPTIONS_NOT_IN_PLUGIN_PATH
+                     if key in args and not _is_neutral(key, args[key])]
+
+
+def beta_errors(args: dict, where: str, owner) -> list[str]:
+    """``args.beta`` scales the implicit reward of every DPO-family loss: a negative one reverses the preference and 0
+    makes it constant (IPO and QRPO divide by it, so they fail at the first step, after the models load). Refused
+    before anything loads; 0 is allowed where it means something: a plugin declaring ``beta_may_be_zero`` (ORPO's
+    lambda 0 is plain SFT) or TRL's own loss with only the ``sft`` term."""
+    beta = args.get("beta")
+    if beta is None or beta > 0:
         return []
-    return [f"{where}.args.{key}: TRL's DPO option has no effect with the preference-loss plugin {owner.name!r}; "
-            f"remove it" for key in DPO_OPTIONS_NOT_IN_PLUGIN_PATH if key in args and not _is_neutral(key, args[key])]
+    if beta < 0:
+        return [f"{where}.args.beta: {beta} must be > 0 (a negative beta reverses the preference)"]
+    loss_types = args.get("loss_type", "sigmoid")
+    sft_only = owner is None and ([loss_types] if isinstance(loss_types, str) else list(loss_types)) == ["sft"]
+    if sft_only or getattr(owner, "beta_may_be_zero", False):
+        return []
+    name = f"plugin {owner.name!r}" if owner is not None else "TRL's DPO loss"
+    return [f"{where}.args.beta: 0 leaves {name} without a preference signal (the implicit reward is beta times the "
+            "log-ratio); use a value > 0 (TRL's default 0.1)"]
 
 
 class ExtDPOTrainer(HostMixin, DPOTrainer):
