@@ -20,8 +20,10 @@ class IPO(PreferenceLoss):
 
     ``L = (h - 1/(2 tau))**2`` with ``h = (log pi/pi_ref)(y_w) - (log pi/pi_ref)(y_l)``; ``tau`` is TRL's
     ``args.beta`` (default 0.1, so the target gap is 5). Convention: by default each log-ratio is the per-token mean
-    over the completion, exactly as TRL's ``DPOConfig(loss_type=["ipo"])`` (parity tested); set
-    ``length_normalize: false`` for the paper's summed sequence log-ratios. The minimum (0) is at ``h = 1/(2 tau)``,
+    over the completion, exactly as TRL's ``DPOConfig(loss_type=["ipo"])`` (parity tested) except where a row's first
+    sequence token is a completion token (an empty prompt, or ``truncation_mode: keep_end`` cutting the whole prompt):
+    TRL then also counts that token, which has no log-prob, in the length, and trl-ext counts the log-probs it sums;
+    set ``length_normalize: false`` for the paper's summed sequence log-ratios (OpenRLHF, NeMo-Aligner). The minimum (0) is at ``h = 1/(2 tau)``,
     so unlike DPO the gap is not pushed to infinity.
     """
 
