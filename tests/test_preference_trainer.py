@@ -310,3 +310,37 @@ def test_a_beta_the_preference_loss_cannot_use_is_refused_before_loading():
     resolve_stage(stage(["orpo"], beta=0.0), 0, catalog)  # ORPO's lambda 0: the NLL term alone
     resolve_stage(stage([], beta=0.0, loss_type=["sft"]), 0, catalog)  # TRL's loss without a preference term
     resolve_stage(stage(["ipo"], beta=0.1), 0, catalog)
+
+
+@pytest.mark.parametrize("trl, params", [
+    ({"loss_type": ["robust"], "label_smoothing": 0.2}, {"label_smoothing": 0.2, "label_smoothing_form": "robust"}),
+    ({"loss_type": ["robust"], "label_smoothing": 0.45, "beta": 0.5},
+     {"label_smoothing": 0.45, "label_smoothing_form": "robust"}),
+    ({"loss_type": ["sigmoid_norm"], "beta": 0.5}, {"length_normalize": True}),
+], ids=["robust", "robust-near-half", "sigmoid_norm"])
+def test_dpo_label_smoothing_and_length_normalisation_match_trl(trl, params):
+    """rDPO (TRL's robust) and length-normalised DPO (TRL's sigmoid_norm) through the dpo plugin equal TRL 1.16's own
+    DPOTrainer loss and gradient on the fixtures' pairs (log-ratios up to +-12, a one-token completion); neither could
+    be combined with a preference plugin. (TRL 1.16's sigmoid ignores label_smoothing; cDPO is checked by hand.)"""
+    from tests.trl_fixtures.cases import dpo_ext, preference_inputs, run_trl_dpo
+
+    inputs = preference_inputs()
+    theirs, their_grad = run_trl_dpo(trl, inputs)
+    ours, our_grad = dpo_ext(lambda: DPO(DPO.Params(**params)), trl)(inputs)
+    plain, _ = dpo_ext(lambda: DPO(), trl)(inputs)
+    assert torch.allclose(ours, theirs, atol=1e-10) and not torch.allclose(ours, plain, atol=1e-6)
+    assert torch.allclose(our_grad["per_token_logps"], their_grad["per_token_logps"], atol=1e-10)
+
+
+def test_cdpo_by_hand_and_robust_needs_eps_below_half():
+    """r_w = 2, r_l = -1, beta 0.1: -log sigmoid(0.3) = 0.554355; eps 0.1 gives 0.584355 (OpenRLHF's DPOLoss), rDPO
+    (0.9 * 0.554355 - 0.1 * 0.854355) / 0.8 = 0.516855."""
+    inputs = SimpleNamespace(chosen_logps=torch.tensor([2.0], dtype=torch.float64), ref_chosen_logps=torch.zeros(1),
+                             rejected_logps=torch.tensor([-1.0], dtype=torch.float64),
+                             ref_rejected_logps=torch.zeros(1), beta=0.1)
+    loss = DPO(DPO.Params(label_smoothing=0.1)).trl_ext_preference_loss(inputs=inputs)
+    assert loss.item() == pytest.approx(0.584355, abs=1e-6)
+    robust = DPO(DPO.Params(label_smoothing=0.1, label_smoothing_form="robust")).trl_ext_preference_loss(inputs=inputs)
+    assert robust.item() == pytest.approx(0.516855, abs=1e-6)
+    with pytest.raises(ValueError, match="below 0.5"):
+        DPO.Params(label_smoothing=0.5, label_smoothing_form="robust")
