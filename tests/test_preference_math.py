@@ -176,3 +176,26 @@ def test_dpo_nll_weight_adds_the_chosen_per_token_nll():
     assert (mixed - plain).tolist() == pytest.approx([0.5 * 2.0 / 2, 0.5 * 6.0 / 3], abs=1e-12)
     mixed.sum().backward()
     assert chosen.grad[1].item() < 0  # the NLL term pushes the chosen log-prob up
+
+
+@pytest.mark.parametrize("transform, beta", [("log", 0.5), ("log", 0.1), ("normal_icdf", 1.0), ("normal_icdf", 2.0)])
+def test_qrpo_transform_log_partitions_are_exact_for_a_uniform_quantile(transform, beta):
+    """log Z = log E_{u~U(0,1)}[exp(f(u)/beta)]: E[u^(1/beta)] = beta/(1+beta) for log, e^(1/(2 beta^2)) for the
+    normal quantile (its moment generating function); checked by quadrature on a fine grid of u."""
+    u = torch.linspace(0, 1, 2_000_001, dtype=torch.float64)[1:-1]
+    f = torch.log(u) if transform == "log" else torch.distributions.Normal(0.0, 1.0).icdf(u)
+    numeric = math.log(torch.exp(f / beta).mean().item())
+    assert pm.qrpo_log_partition(beta, transform=transform) == pytest.approx(numeric, abs=2e-3)
+
+
+def test_qrpo_transformed_rewards_follow_the_reference_implementation():
+    """The repository's clamps: log max(r_q, 1/n) (r_q = 0 below every reference reward), normal icdf of r_q in
+    [1/n, (n-1)/n]; rows with a NaN (missing) reference reward use their own n."""
+    r_q = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+    n = torch.tensor([4, 4, 3])
+    assert pm.transformed_quantile_reward(r_q, n, "log").tolist() == pytest.approx(
+        [math.log(0.25), math.log(0.5), 0.0])
+    icdf = torch.distributions.Normal(0.0, 1.0).icdf
+    expected = icdf(torch.tensor([0.25, 0.5, 2 / 3], dtype=torch.float64)).tolist()
+    assert pm.transformed_quantile_reward(r_q, n, "normal_icdf").tolist() == pytest.approx(expected)
+    assert torch.equal(pm.transformed_quantile_reward(r_q, n, "identity"), r_q)

@@ -344,3 +344,22 @@ def test_cdpo_by_hand_and_robust_needs_eps_below_half():
     assert robust.item() == pytest.approx(0.516855, abs=1e-6)
     with pytest.raises(ValueError, match="below 0.5"):
         DPO.Params(label_smoothing=0.5, label_smoothing_form="robust")
+
+
+def test_qrpo_log_transform_through_the_plugin_is_the_reference_implementations_loss():
+    """transform log (the QRPO repository's default): ((log max(r_q, 1/n) - beta log(beta/(1+beta))) - beta
+    log-ratio)^2 per completion, mean of chosen and rejected; by hand on one pair with 4 reference rewards."""
+    beta = 0.5
+    refs = torch.tensor([[0.1, 0.5, 0.9, 0.3]], dtype=torch.float64)
+    batch = {"chosen_reward": torch.tensor([0.6], dtype=torch.float64),
+             "rejected_reward": torch.tensor([0.0], dtype=torch.float64), "ref_rewards": refs}
+    inputs = SimpleNamespace(chosen_logps=torch.tensor([-2.0], dtype=torch.float64),
+                             ref_chosen_logps=torch.tensor([-2.5], dtype=torch.float64),
+                             rejected_logps=torch.tensor([-3.0], dtype=torch.float64),
+                             ref_rejected_logps=torch.tensor([-2.8], dtype=torch.float64),
+                             beta=beta, batch=batch, metrics={})
+    loss = QRPO(QRPO.Params(transform="log")).trl_ext_preference_loss(inputs=inputs)
+    log_z = math.log(beta / (1 + beta))
+    chosen = (math.log(3 / 4) - beta * log_z - beta * 0.5) ** 2  # 3 of 4 reference rewards <= 0.6
+    rejected = (math.log(1 / 4) - beta * log_z - beta * -0.2) ** 2  # none <= 0.0: clamped to 1/n
+    assert loss.item() == pytest.approx((chosen + rejected) / 2, rel=1e-12)

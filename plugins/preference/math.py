@@ -92,14 +92,32 @@ def quantile_reward(rewards: torch.Tensor, ref_rewards: torch.Tensor) -> torch.T
     return below.sum(-1).to(rewards.dtype) / valid.sum(-1).clamp(min=1).to(rewards.dtype)
 
 
-def qrpo_log_partition(beta: float, exact: bool = True) -> float:
-    """``log Z`` for a uniform quantile reward: ``log(beta (e^{1/beta} - 1))`` exactly, or ``log beta + 1/beta``.
-
-    The exact form is written as ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays finite for small ``beta``;
-    ``1 - e^{-1/beta}`` is ``-expm1(-1/beta)`` so it keeps full precision for large ``beta`` too.
+def qrpo_log_partition(beta: float, exact: bool = True, transform: str = "identity") -> float:
+    """``log Z = log E_{u~U(0,1)}[exp(f(u) / beta)]`` for the quantile reward transform ``f``: ``identity``,
+    ``log(beta (e^{1/beta} - 1))`` exactly, or ``log beta + 1/beta`` (``exact=False``, the reference implementation's);
+    ``log`` (``f = log u``), ``log(beta / (1 + beta))``; ``normal_icdf`` (``f`` = the standard normal quantile),
+    ``1 / (2 beta^2)``. The exact identity form is written as ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays
+    finite for small ``beta``; ``1 - e^{-1/beta}`` is ``-expm1(-1/beta)`` so it keeps full precision for large ``beta``.
     """
+    if transform == "log":
+        return math.log(beta / (1.0 + beta))
+    if transform == "normal_icdf":
+        return 1.0 / (2.0 * beta * beta)
     approx = math.log(beta) + 1.0 / beta
     return approx + math.log(-math.expm1(-1.0 / beta)) if exact else approx
+
+
+def transformed_quantile_reward(quantile_rewards: torch.Tensor, counts: torch.Tensor, transform: str) -> torch.Tensor:
+    """QRPO's reward transforms of ``r_q`` estimated from ``counts`` reference rewards per row: ``identity``; ``log``,
+    ``log max(r_q, 1/n)`` (``r_q`` is 0 below every reference reward); ``normal_icdf``, the standard normal quantile of
+    ``r_q`` clamped to ``[1/n, (n-1)/n]`` (the reference implementation's clamps)."""
+    if transform == "identity":
+        return quantile_rewards
+    lowest = 1.0 / counts.to(quantile_rewards.dtype).clamp(min=1)
+    if transform == "log":
+        return torch.log(torch.maximum(quantile_rewards, lowest))
+    clamped = torch.minimum(torch.maximum(quantile_rewards, lowest), 1.0 - lowest)
+    return torch.distributions.Normal(0.0, 1.0).icdf(clamped)
 
 
 def qrpo_loss(quantile_rewards: torch.Tensor, logratios: torch.Tensor, beta: float, log_partition: float) -> torch.Tensor:

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
 from trl_ext import metrics as figures
 from trl_ext_plugins.preference.common import Column, PreferenceLoss
-from trl_ext_plugins.preference.math import qrpo_log_partition, qrpo_loss, quantile_reward
+from trl_ext_plugins.preference.math import (
+    qrpo_log_partition,
+    qrpo_loss,
+    quantile_reward,
+    transformed_quantile_reward,
+)
 
 
 class QRPOParams(PluginParams):
+    transform: Literal["identity", "log", "normal_icdf"] = Field(
+        "identity", description="The reward regressed onto: identity, r_q (the paper's main form, ALGORITHMS.md item "
+        "25); log, log max(r_q, 1/n) with log Z = log(beta / (1 + beta)) (the reference implementation's default, "
+        "train-qrpo.yaml); normal_icdf, the standard normal quantile of r_q clamped to [1/n, (n-1)/n], log Z = 1 / (2 "
+        "beta^2). Each log Z is exact for a uniform r_q.")
     exact_log_partition: bool = Field(
-        True, description="log Z = log(beta (e^{1/beta} - 1)) (exact for a uniform quantile reward); false uses the "
-                          "reference implementation's log beta + 1/beta.")
+        True, description="transform identity: log Z = log(beta (e^{1/beta} - 1)) (exact for a uniform quantile "
+                          "reward); false uses the reference implementation's log beta + 1/beta.")
     chosen_reward_column: str = Field("chosen_reward", description="Dataset column with r(x, y_w).")
     rejected_reward_column: str = Field("rejected_reward", description="Dataset column with r(x, y_l).")
     ref_rewards_column: str = Field(
@@ -50,6 +61,11 @@ class QRPO(PreferenceLoss):
     so they are draws of pi_ref), scored by a reward plugin or a reward model, together with the chosen/rejected
     completions when their reward columns are absent. The result is cached as a dataset keyed by a hash of the
     reference model, rows and settings, so reruns and other runs with the same inputs reuse it.
+
+    ``transform`` (default ``identity``, the paper's main form) regresses a transformed quantile reward instead, with
+    its own exact log Z: ``log`` (``log max(r_q, 1/n)``, ``Z = beta / (1 + beta)``; the reference implementation's
+    default config) or ``normal_icdf`` (the normal quantile, ``log Z = 1 / (2 beta^2)``); the repository's
+    ``scaled-normal-icdf``, which needs a dataset-wide statistic, is not offered.
     """
 
     name = "qrpo"
@@ -104,8 +120,10 @@ class QRPO(PreferenceLoss):
 
     @hookimpl
     def trl_ext_preference_loss(self, inputs):
-        log_z = qrpo_log_partition(inputs.beta, exact=self.params.exact_log_partition)
-        ref_rewards = inputs.batch[self.params.ref_rewards_column].to(inputs.chosen_logps)
+        p = self.params
+        log_z = qrpo_log_partition(inputs.beta, exact=p.exact_log_partition, transform=p.transform)
+        ref_rewards = inputs.batch[p.ref_rewards_column].to(inputs.chosen_logps)
+        counts = (~torch.isnan(ref_rewards)).sum(-1)
         losses = []
         for side, logps, ref_logps in (("chosen", inputs.chosen_logps, inputs.ref_chosen_logps),
                                        ("rejected", inputs.rejected_logps, inputs.ref_rejected_logps)):
@@ -113,5 +131,6 @@ class QRPO(PreferenceLoss):
             r_q = quantile_reward(reward, ref_rewards)
             # the mean over every rank's pairs (figure parts the trainer reduces)
             inputs.metrics[f"qrpo/{side}_quantile_reward"] = figures.mean(r_q.sum(), r_q.numel())
-            losses.append(qrpo_loss(r_q, logps - ref_logps, inputs.beta, log_z))
+            target = transformed_quantile_reward(r_q, counts, p.transform)
+            losses.append(qrpo_loss(target, logps - ref_logps, inputs.beta, log_z))
         return (losses[0] + losses[1]) / 2
