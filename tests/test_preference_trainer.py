@@ -363,3 +363,22 @@ def test_qrpo_log_transform_through_the_plugin_is_the_reference_implementations_
     chosen = (math.log(3 / 4) - beta * log_z - beta * 0.5) ** 2  # 3 of 4 reference rewards <= 0.6
     rejected = (math.log(1 / 4) - beta * log_z - beta * -0.2) ** 2  # none <= 0.0: clamped to 1/n
     assert loss.item() == pytest.approx((chosen + rejected) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.5])
+def test_simpo_label_smoothing_matches_trls_cpo(eps):
+    """TRL's CPOTrainer.cpo_loss with loss_type simpo and label_smoothing (-(1 - eps) log sigma(z) - eps log
+    sigma(-z)) against the simpo plugin, loss and gradients, on the fixtures' pairs."""
+    from tests.trl_fixtures.cases import _grad, _pref_inputs_from_means, run_trl_cpo, sequence_pair_inputs, tensors
+
+    inputs, beta, gamma = sequence_pair_inputs(), 2.0, 1.2
+    trl = {"loss_type": "simpo", "beta": beta, "simpo_gamma": gamma, "alpha": 0.0, "label_smoothing": eps}
+    theirs, their_grads = run_trl_cpo(trl, inputs)
+    pref, c, r = _pref_inputs_from_means(tensors(inputs), beta)
+    loss = SimPO(SimPO.Params(gamma=gamma, label_smoothing=eps)).trl_ext_preference_loss(pref).mean()
+    ours, our_grads = _grad(loss, {"chosen_logps": c, "rejected_logps": r})
+    assert torch.allclose(ours, theirs, atol=1e-10)
+    for key in ("chosen_logps", "rejected_logps"):
+        assert torch.allclose(our_grads[key], their_grads[key], atol=1e-10)
+    plain = SimPO(SimPO.Params(gamma=gamma)).trl_ext_preference_loss(_pref_inputs_from_means(tensors(inputs), beta)[0])
+    assert not torch.allclose(plain.mean(), ours, atol=1e-6)

@@ -32,9 +32,12 @@ def apo_down_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tens
 
 
 def simpo_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor, beta: float,
-               gamma: float) -> torch.Tensor:
-    """SimPO (arXiv 2405.14734): ``-log sigma(beta * mean_logp_w - beta * mean_logp_l - gamma)``; no reference."""
-    return -F.logsigmoid(beta * (chosen_mean_logps - rejected_mean_logps) - gamma)
+               gamma: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """SimPO (arXiv 2405.14734): ``-log sigma(z)``, ``z = beta * mean_logp_w - beta * mean_logp_l - gamma``; no
+    reference. ``label_smoothing`` eps: ``-(1 - eps) log sigma(z) - eps log sigma(-z)`` (TRL CPO's simpo)."""
+    z = beta * (chosen_mean_logps - rejected_mean_logps) - gamma
+    loss = -F.logsigmoid(z)
+    return loss if not label_smoothing else (1 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-z)
 
 
 LOG_ODDS_MAX_LOGP = -1e-6  # log P is capped here inside log(1 - P): P = 1 exactly would give infinite odds
