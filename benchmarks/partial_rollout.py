@@ -220,7 +220,8 @@ def held_out(steps: int, partial_steps: int, fractions: list[float], correction:
                 + (f" + {correction}" if correction != "none" else "")
                 + (" masked" if mask_offpolicy else "") + (f" gen {partial_batch}" if partial_batch else ""),
                 [*([] if objective else ["grpo"]), plugin, *corrections, "exact_match"],
-                {"max_steps": partial_steps, **({"per_device_train_batch_size": partial_batch} if partial_batch else {})})
+                {"max_steps": partial_steps,
+                 **({"per_device_train_batch_size": partial_batch} if partial_batch else {})})
     if arms:
         unknown = sorted(set(arms) - set(configurations))
         if unknown:

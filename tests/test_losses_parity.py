@@ -307,7 +307,8 @@ def test_off_policy_mask_drops_whole_negative_sequences_over_the_threshold():
     mask = inputs["completion_mask"].to(D)
     kl = ((inputs["old_per_token_logps"] - theta) * mask).sum(1) / mask.sum(1)
     dropped = 1 if kl[1] > kl[3] else 3
-    _, grad = assert_parity([GRPO()], {"loss_type": "grpo"}, shared_args={"off_policy_mask_threshold": opsm_threshold()})
+    _, grad = assert_parity([GRPO()], {"loss_type": "grpo"},
+                            shared_args={"off_policy_mask_threshold": opsm_threshold()})
     for row in range(B):
         has_grad = bool(grad[row].abs().sum() > 0)
         assert has_grad == (row != dropped), (row, dropped)

@@ -32,8 +32,8 @@ def ppo_clip_objective(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: f
     beyond the cap). ``None``: plain PPO.
 
     ``ratio_cap`` delta (INTELLECT-2's two-sided clip, arXiv 2505.07291; TRL's ``delta``): the unclipped term uses
-    ``min(r, delta)``, as TRL does. For ``delta >= 1 + eps_high`` this is the same loss as ``dual_clip = delta`` (an A > 0
-    term is clipped at 1 + eps_high before the cap matters); below that it also caps A > 0 tokens at delta."""
+    ``min(r, delta)``, as TRL does. For ``delta >= 1 + eps_high`` this is the same loss as ``dual_clip = delta`` (an
+    A > 0 term is clipped at 1 + eps_high before the cap matters); below that it also caps A > 0 tokens at delta."""
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     unclipped = ratio if ratio_cap is None else torch.clamp(ratio, max=ratio_cap)
     loss = -torch.min(unclipped * advantages, clipped * advantages)
@@ -105,12 +105,13 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
     (d < -2.6 or d > 11 at verl's 10), exactly the tokens furthest from the reference.
     """
     d = per_token_logps - ref_per_token_logps
+    # k2 (the estimate, or k3+'s gradient carrier) from d clamped to +-20: where log pi_ref is -inf on a sampled token
+    # (d = +inf) an unclamped k2 is inf with gradient inf, k3+'s value inf - inf, and a clamp on the estimate then
+    # back-propagates 0 * inf = NaN
+    d_k2 = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k1":
         kl = d
     elif estimator == "k2":
-        # d clamped to +-20, as k3's: where log pi_ref is -inf on a sampled token (d = +inf) an unclamped k2 is inf with
-        # gradient inf, and a clamp on the estimate then back-propagates 0 * inf = NaN
-        d_k2 = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl = 0.5 * d_k2 * d_k2
     elif estimator in ("k3", "k3+"):
         # Clamp d itself (not only the exponent) on the side where e^-d overflows: clamping just the exponent makes
@@ -120,10 +121,6 @@ def kl_estimate(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor
         d_k3 = d.clamp(min=-LOG_RATIO_CLAMP)
         kl = torch.exp(-d_k3) - 1 + d_k3
         if estimator == "k3+":
-            # k2 (the gradient carrier) from d clamped to +-20 on both sides: at d = -inf or, where log pi_ref is -inf
-            # on a sampled token, d = +inf, an unclamped k2 makes the value inf - inf = NaN; beyond +-20 the gradient is
-            # then 0, as k3's below -20
-            d_k2 = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
             k2 = 0.5 * d_k2 * d_k2
             value = kl if clamp is None else kl.clamp(-clamp, clamp)  # the clamp bounds the value, not the gradient
             return k2 + (value - k2).detach()
@@ -209,8 +206,8 @@ class KLTerm:
     ``False``, none; ``"score"``, NeMo-RL's ``exp(log pi - sg(log pi))``, value 1, so the term's value is the estimate
     and its gradient gains the score-function part ``KL_t * grad log pi`` (on-policy it equals the ratio weight).
     ``clamp``: optional symmetric clamp (verl uses 10 for k3; ``None`` = TRL, no clamp), of the estimate before the
-    weight (``clamp_weighted`` false: verl, and TRL's order had it a clamp) or of the weighted value (true: NeMo-RL's
-    and slime's ``clamp(w * KL)``, zero gradient where it binds)."""
+    weight (``clamp_weighted`` false, the default: ``w * clamp(KL)``) or of the weighted value (true: NeMo-RL's and
+    slime's ``clamp(w * KL)``, zero gradient where it binds)."""
 
     __slots__ = ("estimator", "bias_correction", "clamp", "coef", "clamp_weighted")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field, model_validator
 
 from trl_ext import Plugin, PluginParams, Slot, hookimpl
@@ -82,5 +81,5 @@ class GroupNorm(Plugin):
             return local(out, batch)
         # (B, T): a filtered row's tokens leave the mask, so they count in no statistic and get 0
         mask = kept_loss_mask(batch)
-        per_token = torch.where(mask.bool(), local(out, batch).to(mask.dtype).unsqueeze(-1), torch.zeros_like(mask))
+        per_token = local(out, batch).to(mask.dtype).unsqueeze(-1).expand_as(mask)
         return masked_whiten(per_token, mask, rank_reduce(batch), p.whiten)

@@ -113,9 +113,9 @@ class ReinforcePPBaseline(RewardKLHooks, Plugin):
     score, ``S = R - beta * sum_t KL_t``, then ``S - mean_group(S)``), ``kl_form: token`` NeMo-RL's
     (``A'_t = R - mean_group(R) - beta * KL_t``; with ``whitening: openrlhf``, ``kl_clamp: 10`` and k3 its default
     reinforce_plus_plus estimator with ``use_kl_in_reward``) and ``kl_form: returns`` AReaL's (the KL's
-    reward-to-go, ``A'_t = R - mean_group(R) - beta * sum_{s >= t} KL_s``; ``whitening: areal``). The reference log-probs are then computed as for
-    ``reinforce_pp`` (``kl_in_loss``). Unscorable rows, and rows ``trl_ext_filter_groups`` dropped, get advantage 0
-    before whitening and are excluded from it.
+    reward-to-go, ``A'_t = R - mean_group(R) - beta * sum_{s >= t} KL_s``; ``whitening: areal``). The reference
+    log-probs are then computed as for ``reinforce_pp`` (``kl_in_loss``). Unscorable rows, and rows
+    ``trl_ext_filter_groups`` dropped, get advantage 0 before whitening and are excluded from it.
     """
 
     name = "reinforce_pp_baseline"

@@ -1,7 +1,8 @@
 """``rollout_correction``: the train/inference mismatch corrections as one family (issue 10).
 
 level {token, sequence, geometric} x mode {truncate, mask, reject} x rejection statistic {ratio, max, sum, and k2 / k3
-as a sequence mean, sum or max} x thresholds {lower, upper}; ``tis``, ``mis`` and ``icepop`` are presets of it (bit-identical, tested).
+as a sequence mean, sum or max} x thresholds {lower, upper}; ``tis``, ``mis`` and ``icepop`` are presets of it
+(bit-identical, tested).
 """
 
 from __future__ import annotations

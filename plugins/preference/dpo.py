@@ -8,14 +8,15 @@ from pydantic import Field, model_validator
 
 from trl_ext import PluginParams, hookimpl, ops
 from trl_ext_plugins.preference.common import PreferenceLoss
+from trl_ext_plugins.preference.math import noisy_label_logistic
 
 
 class DPOParams(PluginParams):
     label_smoothing: float = Field(
         0.0, ge=0.0, le=1.0, description="eps, the assumed share of flipped preference labels (0: plain DPO). "
         "conservative: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h) (cDPO; OpenRLHF's DPOLoss "
-        "label_smoothing; TRL 1.16's sigmoid ignores label_smoothing); robust: [-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)] / (1 - 2 eps) (rDPO, "
-        "TRL's loss_type robust; eps < 0.5).")
+        "label_smoothing; TRL 1.16's sigmoid ignores label_smoothing); robust: [-(1 - eps) log sigmoid(beta h) + eps "
+        "log sigmoid(-beta h)] / (1 - 2 eps) (rDPO, TRL's loss_type robust; eps < 0.5).")
     label_smoothing_form: Literal["conservative", "robust"] = Field(
         "conservative", description="How label_smoothing enters: conservative (cDPO, Mitchell 2023) or robust (rDPO, "
         "Chowdhury et al. 2024, arXiv 2403.00409: an unbiased estimate of the clean-label loss).")
@@ -78,14 +79,10 @@ class DPO(PreferenceLoss):
         if p.length_normalize:
             chosen = chosen / inputs.chosen_lengths.clamp(min=1)
             rejected = rejected / inputs.rejected_lengths.clamp(min=1)
-        loss = ops.dpo_sigmoid_loss(chosen, rejected, inputs.beta)
         if p.label_smoothing:
-            flipped = ops.dpo_sigmoid_loss(rejected, chosen, inputs.beta)  # -log sigmoid(-beta h)
-            eps = p.label_smoothing
-            if p.label_smoothing_form == "conservative":
-                loss = (1 - eps) * loss + eps * flipped
-            else:
-                loss = ((1 - eps) * loss - eps * flipped) / (1 - 2 * eps)
+            loss = noisy_label_logistic(inputs.beta * (chosen - rejected), p.label_smoothing, p.label_smoothing_form)
+        else:
+            loss = ops.dpo_sigmoid_loss(chosen, rejected, inputs.beta)  # the loss parity with TRL is pinned on
         if self.params.nll_weight:
             loss = loss + self.params.nll_weight * chosen_nll(inputs, self.params.nll_normalization)
         return loss

@@ -212,8 +212,9 @@ def own_distribution(model):
     pass (repetition penalties, min_p, typical_p, n-gram bans, forced or suppressed tokens, minimum lengths)."""
     from transformers import GenerationConfig
 
-    holders = [m for m in {id(x): x for x in (model, getattr(model, "get_base_model", lambda: None)())}.values()
-               if m is not None and getattr(m, "generation_config", None) is not None]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    holders = [m for m in ((model,) if base is model else (model, base))
+               if getattr(m, "generation_config", None) is not None]
     saved = [m.generation_config for m in holders]
     for m, config in zip(holders, saved):
         m.generation_config = GenerationConfig(

@@ -23,7 +23,8 @@ class IPO(PreferenceLoss):
     over the completion, exactly as TRL's ``DPOConfig(loss_type=["ipo"])`` (parity tested) except where a row's first
     sequence token is a completion token (an empty prompt, or ``truncation_mode: keep_end`` cutting the whole prompt):
     TRL then also counts that token, which has no log-prob, in the length, and trl-ext counts the log-probs it sums;
-    set ``length_normalize: false`` for the paper's summed sequence log-ratios (OpenRLHF, NeMo-Aligner). The minimum (0) is at ``h = 1/(2 tau)``,
+    set ``length_normalize: false`` for the paper's summed sequence log-ratios (OpenRLHF, NeMo-Aligner). The minimum
+    (0) is at ``h = 1/(2 tau)``,
     so unlike DPO the gap is not pushed to infinity.
     """
 

@@ -31,13 +31,27 @@ def apo_down_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tens
     return torch.sigmoid(beta * chosen_logratios) + (1.0 - torch.sigmoid(beta * (chosen_logratios - rejected_logratios)))
 
 
+def noisy_label_logistic(z: torch.Tensor, label_smoothing: float = 0.0, form: str = "conservative") -> torch.Tensor:
+    """The logistic loss ``-log sigma(z)`` of a pairwise margin ``z`` when a share ``eps`` of the preference labels is
+    assumed flipped: ``conservative``, ``-(1 - eps) log sigma(z) - eps log sigma(-z)`` (cDPO, Mitchell 2023: the loss
+    against soft labels; OpenRLHF's DPOLoss, TRL CPO's simpo); ``robust``, ``[-(1 - eps) log sigma(z) + eps log
+    sigma(-z)] / (1 - 2 eps)`` (rDPO, arXiv 2403.00409, TRL's robust: unbiased for the clean-label loss, eps < 0.5).
+    eps 0: ``-log sigma(z)`` exactly."""
+    loss = -F.logsigmoid(z)
+    if not label_smoothing:
+        return loss
+    flipped = -F.logsigmoid(-z)
+    eps = label_smoothing
+    if form == "conservative":
+        return (1 - eps) * loss + eps * flipped
+    return ((1 - eps) * loss - eps * flipped) / (1 - 2 * eps)
+
+
 def simpo_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor, beta: float,
                gamma: float, label_smoothing: float = 0.0) -> torch.Tensor:
     """SimPO (arXiv 2405.14734): ``-log sigma(z)``, ``z = beta * mean_logp_w - beta * mean_logp_l - gamma``; no
-    reference. ``label_smoothing`` eps: ``-(1 - eps) log sigma(z) - eps log sigma(-z)`` (TRL CPO's simpo)."""
-    z = beta * (chosen_mean_logps - rejected_mean_logps) - gamma
-    loss = -F.logsigmoid(z)
-    return loss if not label_smoothing else (1 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-z)
+    reference. ``label_smoothing``: :func:`noisy_label_logistic`'s conservative form (TRL CPO's simpo)."""
+    return noisy_label_logistic(beta * (chosen_mean_logps - rejected_mean_logps) - gamma, label_smoothing)
 
 
 LOG_ODDS_MAX_LOGP = -1e-6  # log P is capped here inside log(1 - P): P = 1 exactly would give infinite odds

@@ -308,11 +308,9 @@ def trl_token_filters(per_token_loss: torch.Tensor, li: LossInputs,
     return per_token_loss, entropy_kept
 
 
-# TRL features the trl-ext loss pipeline does not re-implement (refused at validation when a loss plugin is active),
-# with their neutral values; TrlLossOptions holds the ones it does. None left in TRL 1.16's GRPOConfig.
-UNSUPPORTED_WITH_LOSS_PLUGINS: dict[str, object] = {}
-# re-expressed for TRL's own objectives only: refused when a trl_ext_policy_loss plugin computes the objective, with
-# what to use instead
+# TRL options the pipeline re-expresses for TRL's own objectives only (TrlLossOptions holds every other GRPOConfig
+# option of TRL 1.16 it once refused): refused when a trl_ext_policy_loss plugin computes the objective, with their
+# neutral value and what to use instead
 UNSUPPORTED_WITH_OBJECTIVE_PLUGINS = {
     "delta": (None, "the grpo plugin's dual_clip set to delta is the same loss for delta >= 1 + epsilon_high"),
 }
@@ -322,12 +320,9 @@ def loss_pipeline_conflicts(args: dict, where: str, active: list[str], objective
     """The TRL options in ``args`` that trl-ext's loss pipeline would silently ignore (or, for ``loss_type``, could not
     run), one message per field naming the plugins that route the loss through the pipeline (``active``) or compute
     the objective (``objectives``)."""
-    errors = [f"{where}.args.{key}: not supported together with loss plugin(s) {active}"
-              for key, neutral in UNSUPPORTED_WITH_LOSS_PLUGINS.items() if key in args and args[key] != neutral]
-    if objectives:
-        errors += [f"{where}.args.{key}: applies to TRL's own objective only, not to plugin(s) {list(objectives)}; "
-                   f"{instead}" for key, (neutral, instead) in UNSUPPORTED_WITH_OBJECTIVE_PLUGINS.items()
-                   if key in args and args[key] != neutral]
+    errors = [f"{where}.args.{key}: applies to TRL's own objective only, not to plugin(s) {list(objectives)}; {instead}"
+              for key, (neutral, instead) in UNSUPPORTED_WITH_OBJECTIVE_PLUGINS.items()
+              if objectives and key in args and args[key] != neutral]
     loss_type = args.get("loss_type", "dapo")
     if loss_type not in DEFAULT_AGGREGATIONS:
         errors.append(f"{where}.args.loss_type: {loss_type!r} cannot be combined with loss plugin(s) {active}; "
@@ -525,8 +520,8 @@ class ExtGRPOTrainer(HostMixin, GRPOTrainer):
     def _check_loss_pipeline_args(self) -> None:
         """Refuse TRL options the loss pipeline does not implement, for whatever routed the loss here (validation
         refuses the known cases first; a KL term replaced in ``trl_ext_trainer_created`` is only known now)."""
-        keys = [*UNSUPPORTED_WITH_LOSS_PLUGINS, *UNSUPPORTED_WITH_OBJECTIVE_PLUGINS]
-        args = {key: getattr(self.args, key) for key in keys} | {"loss_type": self.loss_type}
+        args = {key: getattr(self.args, key) for key in UNSUPPORTED_WITH_OBJECTIVE_PLUGINS}
+        args["loss_type"] = self.loss_type
         reason = [p.name for p in self.plugin_host.plugins if any(h in p.implemented_hooks() for h in LOSS_HOOKS)]
         errors = loss_pipeline_conflicts(args, "args", reason or [f"kl_term={self.kl_term!r}"],
                                          objective_plugins(self.plugin_host))
