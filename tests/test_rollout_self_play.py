@@ -4,6 +4,7 @@ the solver's pseudo-labelled, band-filtered rows; the proposal dataset; bad para
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -316,7 +317,7 @@ def test_proposer_grpo_steps_with_a_real_solver(tiny_trainer, tiny_model_dir):
     assert len(plugin.history) == 2
 
 
-def test_label_accuracy_of_majority_labels_is_measured_and_logged_once(monkeypatch):
+def test_label_accuracy_of_majority_labels_is_measured_and_logged_once(monkeypatch, tmp_path):
     """With majority labels and a verifier, the solver's record says how often the kept pseudo-labels are right; it
     reaches metrics.jsonl with step 1 only (a resumed run starts later and must not log it again)."""
     from types import SimpleNamespace
@@ -339,6 +340,13 @@ def test_label_accuracy_of_majority_labels_is_measured_and_logged_once(monkeypat
     assert [(r["prompt"], r["answer"]) for r in rows] == [("1+2=", "3"), ("2+2=", "5")]
     assert record == {"self_play/generated": 3, "self_play/valid": 2, "self_play/held_out_dropped": 0,
                       "self_play/kept": 2, "self_play/label_accuracy": 0.5}
+    assert all("verified" not in r for r in rows)  # the true answer never reaches the training rows
+
+    # After the stage, what it trained on is saved for inspection, with the verified answers beside the labels.
+    plugin.trl_ext_after_stage(stage=None, output_dir=str(tmp_path), trainer=None)
+    saved = [json.loads(line) for line in (tmp_path / "self_play_rows.jsonl").read_text().splitlines()]
+    assert saved == [{"prompt": "1+2=", "answer": "3", "p_hat": 0.5, "verified": "3"},
+                     {"prompt": "2+2=", "answer": "5", "p_hat": 0.6, "verified": "4"}]
 
     logged = []
     callback = _LogDatasetFigures(SimpleNamespace(_log_plugin_metrics=logged.append), record)

@@ -3,8 +3,10 @@ majority-vote pseudo-labels (R-Zero). The two roles alternate as stages of one r
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -35,6 +37,7 @@ def solver_rows(questions: list[str], votes: list[tuple[str | None, float]],
     return rows
 
 
+ROWS_FILE = "self_play_rows.jsonl"
 BUILTIN_VERIFIERS = {"arithmetic": "trl_ext.embedded.arithmetic.solve",
                      "arithmetic_chain": "trl_ext_plugins.rollout.datasets.solve_sum"}
 
@@ -178,7 +181,9 @@ class SelfPlay(Plugin):
     held-out evaluation (whitespace aside) is dropped before it is answered (``exclude_held_out``, on by default): the
     proposer may write any problem, held-out ones included, and a solver trained on them would inflate its held-out
     score, with verified labels above all. How the rows were made (``self_play/generated``, ``valid``,
-    ``held_out_dropped``, ``kept`` and, for majority labels with a verifier, ``label_accuracy``) is logged with step 1.
+    ``held_out_dropped``, ``kept`` and, for majority labels with a verifier, ``label_accuracy``) is logged with step 1,
+    and the kept rows (problem, label, p_hat and, with a verifier, the verified answer) are saved in the stage's
+    ``self_play_rows.jsonl``.
     Alternation: stages ``proposer_1`` (partner: the solver), ``solver_1`` (partner: stage:proposer_1),
     ``proposer_2`` (partner: stage:solver_1), ... in one recipe (configs/self_play.yaml).
 
@@ -219,6 +224,7 @@ class SelfPlay(Plugin):
         self._partner = None
         self._verifier = None
         self.history: list[dict[str, float]] = []
+        self.kept: list[dict[str, Any]] = []  # solver role, main process: the rows trained on (ROWS_FILE)
 
     def _partner_model(self):
         if self._partner is None:
@@ -407,11 +413,28 @@ class SelfPlay(Plugin):
         rows = solver_rows(questions, self.votes(questions, answers), p.solver_band())
         record = {"self_play/generated": len(prompts), "self_play/valid": well_formed,
                   "self_play/held_out_dropped": well_formed - len(questions), "self_play/kept": len(rows)}
+        self.kept = [dict(r) for r in rows]
         if p.labels == "majority" and p.verifier is not None and rows:
             # How often the pseudo-label is right (R-Zero measures it with an oracle); training does not see it.
-            record["self_play/label_accuracy"] = sum(r["answer"] == self.verified_answer(r["prompt"])
-                                                     for r in rows) / len(rows)
+            for row in self.kept:
+                row["verified"] = self.verified_answer(row["prompt"])
+            record["self_play/label_accuracy"] = sum(r["answer"] == r["verified"] for r in self.kept) / len(rows)
         return rows, record
+
+    @hookimpl
+    def trl_ext_after_stage(self, stage, output_dir, trainer):
+        """Solver role: the kept problems, their labels, p_hat and (with a verifier and majority labels) the verified
+        answer, one JSON line each in ``self_play_rows.jsonl`` (main process), for inspecting what the round
+        trained on."""
+        if self.params.role != "solver" or not self.kept:
+            return None
+        from accelerate import PartialState
+
+        from trl_ext.files import write_text_atomic
+
+        if PartialState().is_main_process:
+            write_text_atomic(Path(output_dir) / ROWS_FILE, "".join(json.dumps(row) + "\n" for row in self.kept))
+        return None
 
 
 def _squeezed(text: str) -> str:
