@@ -141,6 +141,34 @@ def test_gae_example():
     assert torch.allclose(a1, t([[1, 1, 1]]) - values, atol=1e-12)
 
 
+def test_gae_bootstraps_a_truncated_row_from_the_value_after_its_last_token():
+    # One row cut off after 3 tokens, V after the last token 0.7, gamma 0.9, lam 0.8 (gamma * lam = 0.72):
+    # delta_2 = 1 + 0.9 * 0.7 - 0.4 = 1.23; delta_1 = 0.9 * 0.4 - 0.2 = 0.16, A_1 = 0.16 + 0.72 * 1.23 = 1.0456;
+    # delta_0 = 0.9 * 0.2 - 0.5 = -0.32, A_0 = -0.32 + 0.72 * 1.0456 = 0.432832
+    rewards, values, mask = t([[0, 0, 1, 0]]), t([[0.5, 0.2, 0.4, 9.0]]), t([[1, 1, 1, 0]])
+    a, ret = adv.gae(rewards, values, mask, gamma=0.9, lam=0.8, bootstrap=t([0.7]))
+    assert torch.allclose(a, t([[0.432832, 1.0456, 1.23, 0]]), atol=1e-12)
+    assert torch.allclose(ret, t([[0.932832, 1.2456, 1.63, 0]]), atol=1e-12)  # the last target: r + gamma V_next
+    # bootstrap 0 is the terminal row; a row with no valid token stays 0 whatever its bootstrap value
+    a0, _ = adv.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    assert torch.equal(adv.gae(rewards, values, mask, gamma=0.9, lam=0.8, bootstrap=t([0.0]))[0], a0)
+    empty, _ = adv.gae(rewards, values, torch.zeros_like(mask), gamma=0.9, lam=0.8, bootstrap=t([5.0]))
+    assert torch.equal(empty, torch.zeros_like(empty))
+
+
+def test_gae_bootstrap_matches_a_direct_sum_with_the_bootstrap_as_the_last_value():
+    gen = torch.Generator().manual_seed(7)
+    rewards, values = torch.randn(3, 5, dtype=D, generator=gen), torch.randn(3, 5, dtype=D, generator=gen)
+    lengths, boot = [5, 3, 1], t([0.3, -1.2, 2.0])
+    mask = (torch.arange(5) < torch.tensor(lengths).unsqueeze(1)).to(D)
+    a, _ = adv.gae(rewards, values, mask, gamma=0.95, lam=0.9, bootstrap=boot)
+    for row, n in enumerate(lengths):
+        v = values[row, :n].tolist() + [boot[row].item()]
+        deltas = [rewards[row, i].item() + 0.95 * v[i + 1] - v[i] for i in range(n)]
+        want = [sum((0.95 * 0.9) ** k * deltas[i + k] for k in range(n - i)) for i in range(n)]
+        assert torch.allclose(a[row, :n], t(want), atol=1e-12)
+
+
 def _gae_reference(rewards, values, gamma, lam):
     """Direct sum A_t = sum_l (gamma lam)^l delta_{t+l} for one unpadded sequence."""
     n = len(rewards)

@@ -148,6 +148,52 @@ def test_ppo_advantages_are_whitened_gae_of_the_critic_and_the_critic_learns(tin
         assert torch.equal(v, policy_before[k])
 
 
+def test_truncated_row_bootstrap_picks_the_value_after_the_last_token_of_cut_off_rows_only():
+    from trl_ext_plugins.advantages.ppo import truncated_row_bootstrap
+
+    eos, pad = 2, 0
+    ids = torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8], [5, 0, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]])
+    values_next = torch.arange(25, dtype=f64).reshape(5, 5)  # row r, column c: 5r + c
+    got = truncated_row_bootstrap(values_next, ids, mask, [eos, pad])
+    # ended by EOS: 0; full row of 4: column 4 (9); one token 5: column 1 (11); empty: 0; last token padding: 0
+    assert torch.equal(got, t([0.0, 9.0, 11.0, 0.0, 0.0]))
+
+
+def test_ppo_truncation_bootstrap_is_gae_with_the_critic_value_after_a_cut_off_row(tiny_trainer):
+    plugin = PPO(PPOParams(kl_coef=0.0, gamma=0.9, lam=0.8, critic_lr=1e-3, truncation="bootstrap",
+                           whiten_advantages=False))
+    trainer = tiny_trainer("grpo", plugins=[plugin], reward_funcs=[scripted(REWARDS)])
+    before = copy.deepcopy(plugin.critic)
+    out = rollout(trainer)
+    ids, mask = out["completion_ids"], out["completion_mask"]
+    # independently: every position's value from the trunk and head; V after a row's last token is read at it
+    with torch.no_grad():
+        hidden = before.trunk(input_ids=torch.cat([out["prompt_ids"], ids], 1),
+                              attention_mask=torch.cat([out["prompt_mask"], mask], 1)).last_hidden_state
+        every = before.head(hidden).squeeze(-1).to(f64)
+    start, lengths = out["prompt_ids"].size(1) - 1, mask.sum(-1).long()
+    ended_by = [*trainer.eos_token_ids, trainer.processing_class.pad_token_id]
+    expected = torch.zeros(ids.shape, dtype=f64)
+    cut_off = 0
+    for row in range(ids.size(0)):
+        n = lengths[row].item()
+        v = every[row, start : start + n].tolist()
+        truncated = n > 0 and ids[row, n - 1].item() not in ended_by
+        cut_off += truncated
+        v.append(every[row, start + n].item() if truncated else 0.0)
+        running = 0.0
+        for step in reversed(range(n)):
+            delta = (REWARDS[row] if step == n - 1 else 0.0) + 0.9 * v[step + 1] - v[step]
+            running = delta + 0.9 * 0.8 * running
+            expected[row, step] = running
+    assert cut_off > 0  # the tiny model's 4-token completions are cut off, so the bootstrap is exercised
+    assert torch.allclose(out["advantages"].to(f64), expected, atol=1e-5)
+    # the terminal default on the same critic: the cut-off rows' advantages differ, the ended rows' do not
+    terminal, _ = expected_advantages(before, out, REWARDS, 0.9, 0.8, whiten=False)
+    assert not torch.allclose(terminal, expected, atol=1e-5)
+
+
 def test_ppo_critic_update_matches_one_manual_adam_step(tiny_trainer):
     plugin = PPO(PPOParams(kl_coef=0.0, lam=1.0, critic_lr=1e-3, value_clip=0.2, critic_max_grad_norm=None))
     trainer = tiny_trainer("grpo", plugins=[plugin], reward_funcs=[scripted(REWARDS)])

@@ -70,6 +70,13 @@ def where_mask(values: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> t
     return torch.where(mask.bool(), values, torch.as_tensor(fill, dtype=values.dtype, device=values.device))
 
 
+def ends_with(ids: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
+    """Bool ``(B,)``: whether each right-padded row's last valid token is one of ``tokens`` (an empty row: False)."""
+    count = mask.sum(-1).long()
+    last = ids.gather(-1, (count - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (count > 0) & torch.isin(last, torch.as_tensor(list(tokens), device=ids.device))
+
+
 def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """Elementwise ``p (log p - log q)`` from log-probabilities (sum them for KL(p || q)): exactly 0, with a zero
     gradient, where ``p = 0``; a ``q = 0`` under ``p > 0`` gives the true value inf.

@@ -242,15 +242,18 @@ def token_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float | torch.Tensor = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+        lam: float | torch.Tensor = 0.95, bootstrap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2015, arXiv 1506.02438) over masked sequences.
 
     ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where *next* is the next
     valid token of the row and ``V``/``A`` after the last valid token are 0. Invalid tokens (padding, and tool or
     observation tokens inside a multi-turn completion) are skipped, not treated as the end of the episode: values and
     the running advantage carry across the gap and the gap costs no discount step (verl's multi-turn GAE). ``lam`` is a
-    float or a ``(B,)``/``(B, 1)`` tensor (length-adaptive lambda). Returns ``(advantages, returns)`` with
-    ``returns = A + V``; both are 0 on invalid tokens. Rewards on invalid tokens are ignored.
+    float or a ``(B,)``/``(B, 1)`` tensor (length-adaptive lambda). ``bootstrap``: ``(B,)`` values of the state
+    after each row's last valid token, for rows cut off before the episode ended (a truncated completion: AReaL's
+    bootstrap, Pardo et al. 2018's time-limit rule, arXiv 1712.00378); ``None`` or 0 ends every row as a terminal
+    state. Returns ``(advantages, returns)`` with ``returns = A + V``; both are 0 on invalid tokens. Rewards on
+    invalid tokens are ignored.
     """
     valid = mask.bool()
     lam_t = torch.as_tensor(lam, dtype=rewards.dtype, device=rewards.device)
@@ -261,7 +264,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     values = torch.where(valid, values.to(rewards.dtype), zero)
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, :1])  # A at the next valid token (0 after the last)
-    next_value = torch.zeros_like(running)  # V at the next valid token (0 after the last)
+    next_value = torch.zeros_like(running)  # V at the next valid token (after the last: 0, or the bootstrap value)
+    if bootstrap is not None:
+        next_value = bootstrap.to(rewards.dtype).reshape(-1, 1).expand_as(next_value).clone()
     for t in reversed(range(rewards.shape[1])):
         here = valid[:, t : t + 1]
         delta = rewards[:, t : t + 1] + gamma * next_value - values[:, t : t + 1]

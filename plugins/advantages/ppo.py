@@ -8,6 +8,7 @@ import torch
 from pydantic import Field, model_validator
 
 from trl_ext import Need, Plugin, Slot, hookimpl
+from trl_ext.ops import ends_with
 from trl_ext_plugins.advantages.critic import CriticCheckpointCallback, critic_from_path, critic_from_policy
 from trl_ext_plugins.advantages.math import (
     Whitening,
@@ -40,6 +41,24 @@ def rank_token_share(mask: torch.Tensor, trainer) -> torch.Tensor | float:
     return torch.where(total > 0, world * local / total.clamp(min=1), torch.zeros_like(local))
 
 
+def end_tokens(trainer) -> list[int]:
+    """The tokens that end a completion for TRL's ``mask_truncated_completions``: EOS ids and the pad id."""
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    ids = list(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    return ids + ([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])
+
+
+def truncated_row_bootstrap(values_next: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                            ended_by: list[int]) -> torch.Tensor:
+    """``(B,)`` values to bootstrap GAE from: for a non-empty row whose last completion token is not in
+    ``ended_by`` (cut off by the length budget), its ``(B, T + 1)`` ``values_next`` at column ``t`` (the state after
+    its ``t`` tokens); 0 for a row that ended or is empty."""
+    count = completion_mask.sum(-1).long()
+    after_last = values_next.gather(1, count.unsqueeze(-1)).squeeze(-1)
+    truncated = (count > 0) & ~ends_with(completion_ids, completion_mask, ended_by)
+    return torch.where(truncated, after_last, torch.zeros_like(after_last))
+
+
 class PPOParams(RewardKLParams):
     critic: Literal["policy_copy", "path"] = Field(
         "policy_copy", description="policy_copy: a value head on a copy of the policy's trunk; path: a value model "
@@ -70,6 +89,12 @@ class PPOParams(RewardKLParams):
                              "args.beta k3 KL term in the loss too; false drops it (the KL only in the reward). With "
                              "args.beta 0 (TRL's default) there is no loss term either way: the plugin sets args.beta "
                              "1.0 only so TRL computes the reference log-probs.")
+    truncation: Literal["terminal", "bootstrap"] = Field(
+        "terminal", description="How GAE ends a truncated completion (its last token neither EOS nor padding, as TRL's "
+        "mask_truncated_completions decides): terminal (default; TRL's old PPOTrainer, verl, OpenRLHF): V after the "
+        "last token is 0, as at a real end; bootstrap (AReaL, the time-limit rule of Pardo et al. 2018, arXiv "
+        "1712.00378): the critic's value of the state after the last token, read at that token's position, so the "
+        "critic is not taught that a cut-off answer is worth only its reward.")
     whiten_advantages: bool = Field(True, description="Whiten the advantages over the valid tokens of the global "
                                     "batch (verl/OpenRLHF GAE default).")
     whitening: Whitening = Field("verl", description="How whiten_advantages whitens: verl (default; unbiased "
@@ -106,6 +131,8 @@ class PPO(RewardKLHooks, Plugin):
     the critic's own optimizer, independent of the policy's learning_rate),
     one critic step per rollout, critic = value head on a copy of the policy trunk (head ~ N(0, 1/(H+1)), seeded).
     Conventions: the value of token ``t`` is read at the position predicting it; unscorable rows count as reward 0;
+    a truncated completion ends GAE as a terminal state (``truncation: terminal``, verl/OpenRLHF/TRL) or bootstraps
+    from the critic's value after its last token (``truncation: bootstrap``, AReaL);
     the reference log-probs are computed whenever ``kl_coef > 0`` (:class:`RewardKLHooks`): a recipe's non-zero
     ``args.beta`` also adds TRL's k3 KL *loss* term unless ``kl_in_loss: false`` (InstructGPT's form, the KL in the
     reward only); with ``args.beta`` 0 there is no loss term and the plugin sets ``args.beta: 1.0`` only so TRL
@@ -194,13 +221,19 @@ class PPO(RewardKLHooks, Plugin):
         mask = kept_loss_mask(batch)
         critic_inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         self.critic.eval()
+        bootstrapping = p.truncation == "bootstrap"
+        bootstrap = None
         with torch.no_grad():
-            old_values = self.critic(*critic_inputs).float()
+            old_values = self.critic(*critic_inputs, next_state=bootstrapping).float()
+            if bootstrapping:
+                bootstrap = truncated_row_bootstrap(old_values, batch.completion_ids, batch.completion_mask,
+                                                    end_tokens(trainer))
+                old_values = old_values[:, :-1]
             old_values = torch.where(mask.bool(), old_values, torch.zeros_like(old_values))
         per_token = self.token_level_rewards(rewards, batch, mask)
-        advantages, _ = gae(per_token, old_values, mask, p.gamma, self.policy_lambda(mask))
+        advantages, _ = gae(per_token, old_values, mask, p.gamma, self.policy_lambda(mask), bootstrap)
         lam_critic = p.lam if p.lam_critic is None else p.lam_critic
-        _, returns = gae(per_token, old_values, mask, p.gamma, lam_critic)
+        _, returns = gae(per_token, old_values, mask, p.gamma, lam_critic, bootstrap)
 
         reduce = rank_reduce(batch)
         batch.metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask, reduce).item()

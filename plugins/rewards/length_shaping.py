@@ -9,6 +9,7 @@ import torch
 from pydantic import Field, model_validator
 
 from trl_ext import Plugin, PluginParams, hookimpl
+from trl_ext.ops import ends_with
 from trl_ext.rewards import RewardFunction
 from trl_ext_plugins.rewards import formulas
 
@@ -235,10 +236,3 @@ class LengthShaping(Plugin):
         truncated = None if budget is None else batch.completion_lengths >= budget  # full length, as the penalty
         return shape_length_column(rewards_per_func, batch.reward_names, batch.reward_weights, self.name,
                                    lengths, batch.num_generations, p, column, step, penalties, truncated)
-
-
-def ends_with(ids: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
-    """Bool ``(B,)``: whether each right-padded row's last valid token is one of ``tokens`` (an empty row: False)."""
-    count = mask.sum(-1).long()
-    last = ids.gather(-1, (count - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (count > 0) & torch.isin(last, torch.as_tensor(list(tokens), device=ids.device))
