@@ -188,6 +188,24 @@ def test_qrpo_transform_log_partitions_are_exact_for_a_uniform_quantile(transfor
     assert pm.qrpo_log_partition(beta, transform=transform) == pytest.approx(numeric, abs=2e-3)
 
 
+@pytest.mark.parametrize("scale, beta", [(0.5, 1.0), (2.0, 2.0)])
+def test_qrpo_scaled_normal_icdf_log_partition_is_exact_for_a_uniform_quantile(scale, beta):
+    """log E_{u~U(0,1)}[exp(s Phi^-1(u) / beta)] = s^2 / (2 beta^2): the unit form times s^2, by quadrature."""
+    u = torch.linspace(0, 1, 2_000_001, dtype=torch.float64)[1:-1]
+    f = scale * torch.distributions.Normal(0.0, 1.0).icdf(u)
+    numeric = math.log(torch.exp(f / beta).mean().item())
+    assert scale**2 * pm.qrpo_log_partition(beta, transform="scaled_normal_icdf") == pytest.approx(numeric, abs=2e-3)
+
+
+def test_reference_reward_std_is_the_sample_std_of_each_rows_present_rewards():
+    import statistics
+
+    refs = torch.tensor([[0.1, 0.5, 0.9, 0.3], [1.0, 2.0, float("nan"), float("nan")], [3.0] + [float("nan")] * 3],
+                        dtype=torch.float64)
+    assert pm.reference_reward_std(refs).tolist() == pytest.approx(
+        [statistics.stdev([0.1, 0.5, 0.9, 0.3]), statistics.stdev([1.0, 2.0]), 0.0], rel=1e-12)
+
+
 def test_qrpo_transformed_rewards_follow_the_reference_implementation():
     """The repository's clamps: log max(r_q, 1/n) (r_q = 0 below every reference reward), normal icdf of r_q in
     [1/n, (n-1)/n]; rows with a NaN (missing) reference reward use their own n."""

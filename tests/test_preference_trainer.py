@@ -365,6 +365,48 @@ def test_qrpo_log_transform_through_the_plugin_is_the_reference_implementations_
     assert loss.item() == pytest.approx((chosen + rejected) / 2, rel=1e-12)
 
 
+def test_qrpo_scaled_normal_icdf_is_the_reference_implementations_loss(tmp_path):
+    """transform scaled_normal_icdf (the repository's scaled-normal-icdf): s * Phi^-1(clamp(r_q, 1/n, 1 - 1/n)) with
+    s = (the row's reference-reward sample std) / (the train split's mean of it), log Z = s^2 / (2 beta^2); by hand
+    with the statistics module on a three-row train split and one pair."""
+    import statistics
+
+    from datasets import Dataset
+
+    beta = 0.5
+    train_refs = [[0.1, 0.5, 0.9, 0.3], [0.2, 0.2, 0.4, 0.2], [1.0, 0.0, 0.5, 0.5]]
+    train = Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b", "chosen_reward": 0.0,
+                                "rejected_reward": 0.0, "ref_rewards": r} for r in train_refs])
+    plugin = QRPO(QRPO.Params(transform="scaled_normal_icdf"))
+    stage = SimpleNamespace(trainer="dpo", ref_model=None, model="unused")
+    assert plugin.trl_ext_prepare_dataset(dataset=train, split="train", stage=stage) is None
+    mean_std = statistics.mean(statistics.stdev(r) for r in train_refs)
+    assert plugin.mean_reference_std == pytest.approx(mean_std, rel=1e-12)
+
+    refs = train_refs[0]
+    batch = {"chosen_reward": torch.tensor([0.6], dtype=torch.float64),
+             "rejected_reward": torch.tensor([0.0], dtype=torch.float64),
+             "ref_rewards": torch.tensor([refs], dtype=torch.float64)}
+    inputs = SimpleNamespace(chosen_logps=torch.tensor([-2.0], dtype=torch.float64),
+                             ref_chosen_logps=torch.tensor([-2.5], dtype=torch.float64),
+                             rejected_logps=torch.tensor([-3.0], dtype=torch.float64),
+                             ref_rejected_logps=torch.tensor([-2.8], dtype=torch.float64),
+                             beta=beta, batch=batch, metrics={})
+    loss = plugin.trl_ext_preference_loss(inputs=inputs)
+    s = statistics.stdev(refs) / mean_std
+    icdf = statistics.NormalDist().inv_cdf
+    log_z = s * s / (2 * beta * beta)
+    chosen = (s * icdf(3 / 4) - beta * log_z - beta * 0.5) ** 2  # 3 of 4 reference rewards <= 0.6
+    rejected = (s * icdf(1 / 4) - beta * log_z - beta * -0.2) ** 2  # r_q 0 clamped to 1/n
+    assert loss.item() == pytest.approx((chosen + rejected) / 2, rel=1e-12)
+
+    flat = Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b", "chosen_reward": 0.0,
+                               "rejected_reward": 0.0, "ref_rewards": [0.5, 0.5]}] * 2)
+    with pytest.raises(ValueError, match="scaled_normal_icdf.*'ref_rewards'.*is 0"):
+        QRPO(QRPO.Params(transform="scaled_normal_icdf")).trl_ext_prepare_dataset(dataset=flat, split="train",
+                                                                                  stage=stage)
+
+
 @pytest.mark.parametrize("eps", [0.1, 0.5])
 def test_simpo_label_smoothing_matches_trls_cpo(eps):
     """TRL's CPOTrainer.cpo_loss with loss_type simpo and label_smoothing (-(1 - eps) log sigma(z) - eps log

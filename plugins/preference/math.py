@@ -113,21 +113,34 @@ def qrpo_log_partition(beta: float, exact: bool = True, transform: str = "identi
     """``log Z = log E_{u~U(0,1)}[exp(f(u) / beta)]`` for the quantile reward transform ``f``: ``identity``,
     ``log(beta (e^{1/beta} - 1))`` exactly, or ``log beta + 1/beta`` (``exact=False``, the reference implementation's);
     ``log`` (``f = log u``), ``log(beta / (1 + beta))``; ``normal_icdf`` (``f`` = the standard normal quantile),
-    ``1 / (2 beta^2)``. The exact identity form is written as ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays
+    ``1 / (2 beta^2)``; ``scaled_normal_icdf`` (``f = s`` times the normal quantile) the same for ``s = 1``, and
+    ``s^2 / (2 beta^2)`` in general (the caller multiplies by ``s^2``). The exact identity form is written as ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays
     finite for small ``beta``; ``1 - e^{-1/beta}`` is ``-expm1(-1/beta)`` so it keeps full precision for large ``beta``.
     """
     if transform == "log":
         return math.log(beta / (1.0 + beta))
-    if transform == "normal_icdf":
+    if transform in ("normal_icdf", "scaled_normal_icdf"):  # the scaled form's row scale s multiplies it by s^2
         return 1.0 / (2.0 * beta * beta)
     approx = math.log(beta) + 1.0 / beta
     return approx + math.log(-math.expm1(-1.0 / beta)) if exact else approx
 
 
+def reference_reward_std(ref_rewards: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` sample standard deviation (``n - 1`` in the denominator) of each row's reference rewards, NaN marking
+    a missing one; 0 for a row with fewer than 2."""
+    valid = ~torch.isnan(ref_rewards)
+    n = valid.sum(-1).to(ref_rewards.dtype)
+    zero = torch.zeros((), dtype=ref_rewards.dtype, device=ref_rewards.device)
+    mean = torch.where(valid, ref_rewards, zero).sum(-1) / n.clamp(min=1)
+    squares = torch.where(valid, (ref_rewards - mean.unsqueeze(-1)) ** 2, zero).sum(-1)
+    return torch.sqrt(squares / (n - 1).clamp(min=1))
+
+
 def transformed_quantile_reward(quantile_rewards: torch.Tensor, counts: torch.Tensor, transform: str) -> torch.Tensor:
     """QRPO's reward transforms of ``r_q`` estimated from ``counts`` reference rewards per row: ``identity``; ``log``,
-    ``log max(r_q, 1/n)`` (``r_q`` is 0 below every reference reward); ``normal_icdf``, the standard normal quantile of
-    ``r_q`` clamped to ``[1/n, (n-1)/n]`` (the reference implementation's clamps)."""
+    ``log max(r_q, 1/n)`` (``r_q`` is 0 below every reference reward); ``normal_icdf`` (and ``scaled_normal_icdf``
+    before its row scale), the standard normal quantile of ``r_q`` clamped to ``[1/n, (n-1)/n]`` (the reference
+    implementation's clamps)."""
     if transform == "identity":
         return quantile_rewards
     lowest = 1.0 / counts.to(quantile_rewards.dtype).clamp(min=1)

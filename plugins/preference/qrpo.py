@@ -14,16 +14,19 @@ from trl_ext_plugins.preference.math import (
     qrpo_log_partition,
     qrpo_loss,
     quantile_reward,
+    reference_reward_std,
     transformed_quantile_reward,
 )
 
 
 class QRPOParams(PluginParams):
-    transform: Literal["identity", "log", "normal_icdf"] = Field(
+    transform: Literal["identity", "log", "normal_icdf", "scaled_normal_icdf"] = Field(
         "identity", description="The reward regressed onto: identity, r_q (the paper's main form, ALGORITHMS.md item "
         "25); log, log max(r_q, 1/n) with log Z = log(beta / (1 + beta)) (the reference implementation's default, "
         "train-qrpo.yaml); normal_icdf, the standard normal quantile of r_q clamped to [1/n, (n-1)/n], log Z = 1 / (2 "
-        "beta^2). Each log Z is exact for a uniform r_q.")
+        "beta^2); scaled_normal_icdf, that quantile times s = (the row's reference-reward standard deviation) / (its "
+        "mean over the train split's rows), log Z = s^2 / (2 beta^2) (the repository's scaled-normal-icdf). Each log "
+        "Z is exact for a uniform r_q.")
     exact_log_partition: bool = Field(
         True, description="transform identity: log Z = log(beta (e^{1/beta} - 1)) (exact for a uniform quantile "
                           "reward); false uses the reference implementation's log beta + 1/beta.")
@@ -64,9 +67,15 @@ class QRPO(PreferenceLoss):
 
     ``transform`` (default ``identity``, the paper's main form) regresses a transformed quantile reward instead, with
     its own exact log Z: ``log`` (``log max(r_q, 1/n)``, ``Z = beta / (1 + beta)``; the reference implementation's
-    default config) or ``normal_icdf`` (the normal quantile, ``log Z = 1 / (2 beta^2)``); the repository's
-    ``scaled-normal-icdf``, which needs a dataset-wide statistic, is not offered.
+    default config), ``normal_icdf`` (the normal quantile, ``log Z = 1 / (2 beta^2)``) or ``scaled_normal_icdf`` (the
+    repository's ``scaled-normal-icdf``: the normal quantile times ``s``, the row's reference-reward standard deviation,
+    ``n - 1`` in the denominator, over its mean across the train split's rows, measured when the train split is
+    prepared; ``log Z = s^2 / (2 beta^2)``; a train split whose reference rewards are all constant is refused).
     """
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.mean_reference_std: float | None = None  # scaled_normal_icdf: the train split's mean row std
 
     name = "qrpo"
     Params = QRPOParams
@@ -75,8 +84,25 @@ class QRPO(PreferenceLoss):
     def trl_ext_prepare_dataset(self, dataset, split, stage):
         generate = self.params.ref_completions is not None and stage.trainer == "dpo" and "prompt" in dataset.column_names
         out = self._with_reference_rewards(dataset, stage) if generate else None
-        super().trl_ext_prepare_dataset(dataset=out if generate else dataset, split=split, stage=stage)
+        data = out if generate else dataset
+        super().trl_ext_prepare_dataset(dataset=data, split=split, stage=stage)
+        if self.params.transform == "scaled_normal_icdf" and split == "train" and stage.trainer == "dpo":
+            self.mean_reference_std = self._mean_reference_std(data)
         return out
+
+    def _mean_reference_std(self, dataset) -> float:
+        """The train split's mean over rows of their reference-reward standard deviation (scaled_normal_icdf's
+        denominator, the repository's ``mean_std_ref_rewards``)."""
+        rows = dataset[self.params.ref_rewards_column]
+        width = max(len(r) for r in rows)
+        padded = torch.tensor([[float("nan") if v is None else float(v) for v in r] + [float("nan")] * (width - len(r))
+                               for r in rows], dtype=torch.float64)
+        mean = reference_reward_std(padded).mean().item()
+        if not mean > 0:
+            raise ValueError(f"plugin {self.name!r}: transform scaled_normal_icdf divides by the mean standard "
+                             f"deviation of the train rows' {self.params.ref_rewards_column!r}, which is 0 (every "
+                             f"row's reference rewards are equal); use transform normal_icdf")
+        return mean
 
     def _with_reference_rewards(self, dataset, stage):
         from trl_ext_plugins.preference import generation as gen
@@ -124,6 +150,13 @@ class QRPO(PreferenceLoss):
         log_z = qrpo_log_partition(inputs.beta, exact=p.exact_log_partition, transform=p.transform)
         ref_rewards = inputs.batch[p.ref_rewards_column].to(inputs.chosen_logps)
         counts = (~torch.isnan(ref_rewards)).sum(-1)
+        scale = None
+        if p.transform == "scaled_normal_icdf":
+            if self.mean_reference_std is None:
+                raise ValueError(f"plugin {self.name!r}: transform scaled_normal_icdf needs the train split's "
+                                 "reference-reward statistic, measured when the train split is prepared")
+            scale = reference_reward_std(ref_rewards) / self.mean_reference_std
+            log_z = scale * scale * log_z
         losses = []
         for side, logps, ref_logps in (("chosen", inputs.chosen_logps, inputs.ref_chosen_logps),
                                        ("rejected", inputs.rejected_logps, inputs.ref_rejected_logps)):
@@ -132,5 +165,7 @@ class QRPO(PreferenceLoss):
             # the mean over every rank's pairs (figure parts the trainer reduces)
             inputs.metrics[f"qrpo/{side}_quantile_reward"] = figures.mean(r_q.sum(), r_q.numel())
             target = transformed_quantile_reward(r_q, counts, p.transform)
+            if scale is not None:
+                target = scale * target
             losses.append(qrpo_loss(target, logps - ref_logps, inputs.beta, log_z))
         return (losses[0] + losses[1]) / 2
