@@ -405,6 +405,11 @@ def test_qrpo_scaled_normal_icdf_is_the_reference_implementations_loss(tmp_path)
     with pytest.raises(ValueError, match="scaled_normal_icdf.*'ref_rewards'.*is 0"):
         QRPO(QRPO.Params(transform="scaled_normal_icdf")).trl_ext_prepare_dataset(dataset=flat, split="train",
                                                                                   stage=stage)
+    infinite = Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b", "chosen_reward": 0.0,
+                                   "rejected_reward": 0.0, "ref_rewards": r} for r in ([0.1, float("inf")], [0.2, 0.4])])
+    with pytest.raises(ValueError, match="scaled_normal_icdf needs finite 'ref_rewards' values; the train split"):
+        QRPO(QRPO.Params(transform="scaled_normal_icdf")).trl_ext_prepare_dataset(dataset=infinite, split="train",
+                                                                                  stage=stage)
 
 
 @pytest.mark.parametrize("eps", [0.1, 0.5])

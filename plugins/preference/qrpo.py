@@ -86,18 +86,28 @@ class QRPO(PreferenceLoss):
         out = self._with_reference_rewards(dataset, stage) if generate else None
         data = out if generate else dataset
         super().trl_ext_prepare_dataset(dataset=data, split=split, stage=stage)
-        if self.params.transform == "scaled_normal_icdf" and split == "train" and stage.trainer == "dpo":
-            self.mean_reference_std = self._mean_reference_std(data)
+        if self.params.transform == "scaled_normal_icdf" and stage.trainer == "dpo":
+            row_stds = self._reference_stds(data, split)
+            if split == "train":
+                self.mean_reference_std = self._mean_reference_std(row_stds)
         return out
 
-    def _mean_reference_std(self, dataset) -> float:
-        """The train split's mean over rows of their reference-reward standard deviation (scaled_normal_icdf's
-        denominator, the repository's ``mean_std_ref_rewards``)."""
+    def _reference_stds(self, dataset, split: str) -> torch.Tensor:
+        """Each row's reference-reward standard deviation; an infinite reward is refused (its row's scale would be
+        inf, and in the train split it would make every other row's scale 0, finite / inf)."""
         rows = dataset[self.params.ref_rewards_column]
         width = max(len(r) for r in rows)
         padded = torch.tensor([[float("nan") if v is None else float(v) for v in r] + [float("nan")] * (width - len(r))
                                for r in rows], dtype=torch.float64)
-        mean = reference_reward_std(padded).mean().item()
+        if torch.isinf(padded).any():
+            raise ValueError(f"plugin {self.name!r}: transform scaled_normal_icdf needs finite "
+                             f"{self.params.ref_rewards_column!r} values; the {split} split has an infinite one")
+        return reference_reward_std(padded)
+
+    def _mean_reference_std(self, row_stds: torch.Tensor) -> float:
+        """The train split's mean over rows of their reference-reward standard deviation (scaled_normal_icdf's
+        denominator, the repository's ``mean_std_ref_rewards``)."""
+        mean = row_stds.mean().item()
         if not mean > 0:
             raise ValueError(f"plugin {self.name!r}: transform scaled_normal_icdf divides by the mean standard "
                              f"deviation of the train rows' {self.params.ref_rewards_column!r}, which is 0 (every "
