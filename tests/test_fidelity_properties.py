@@ -209,7 +209,7 @@ def test_advantage_plugins_are_finite(data, estimator, kl_clamp):
                                                                      max_size=mask.numel()))).view_as(mask),
                         torch.tensor(float("-inf")))
     batch = rollout_batch(rewards, mask, tool, logps)
-    critic = lambda *inputs, next_state=False: torch.ones_like(mask)  # noqa: E731
+    critic = lambda *inputs: torch.ones_like(mask)  # noqa: E731
     critic.eval = lambda: None
     ppo = PPO(PPOParams(kl_estimator=estimator, kl_clamp=kl_clamp))
     ppo.critic = critic

@@ -224,11 +224,13 @@ class PPO(RewardKLHooks, Plugin):
         bootstrapping = p.truncation == "bootstrap"
         bootstrap = None
         with torch.no_grad():
-            old_values = self.critic(*critic_inputs, next_state=bootstrapping).float()
-            if bootstrapping:
-                bootstrap = truncated_row_bootstrap(old_values, batch.completion_ids, batch.completion_mask,
+            if bootstrapping:  # one more column: the state after each row's last token
+                values_next = self.critic(*critic_inputs, next_state=True).float()
+                bootstrap = truncated_row_bootstrap(values_next, batch.completion_ids, batch.completion_mask,
                                                     end_tokens(trainer))
-                old_values = old_values[:, :-1]
+                old_values = values_next[:, :-1]
+            else:
+                old_values = self.critic(*critic_inputs).float()
             old_values = torch.where(mask.bool(), old_values, torch.zeros_like(old_values))
         per_token = self.token_level_rewards(rewards, batch, mask)
         advantages, _ = gae(per_token, old_values, mask, p.gamma, self.policy_lambda(mask), bootstrap)
