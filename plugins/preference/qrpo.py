@@ -73,12 +73,12 @@ class QRPO(PreferenceLoss):
     prepared; ``log Z = s^2 / (2 beta^2)``; a train split whose reference rewards are all constant is refused).
     """
 
+    name = "qrpo"
+    Params = QRPOParams
+
     def __init__(self, params=None):
         super().__init__(params)
         self.mean_reference_std: float | None = None  # scaled_normal_icdf: the train split's mean row std
-
-    name = "qrpo"
-    Params = QRPOParams
 
     @hookimpl
     def trl_ext_prepare_dataset(self, dataset, split, stage):
