@@ -34,7 +34,8 @@ class ValueModel(nn.Module):
                 self.head.weight.copy_(torch.randn(1, hidden_size, generator=generator) / (hidden_size + 1) ** 0.5)
                 self.head.bias.zero_()
 
-    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask, next_state: bool = False) -> torch.Tensor:
+    def forward(self, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                next_state: bool = False) -> torch.Tensor:
         """``(B, T)`` values; ``next_state``: ``(B, T + 1)``, column ``t`` of a row with ``t`` completion tokens being
         the state after its last token (read at that token's position), which a truncated row bootstraps from."""
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)

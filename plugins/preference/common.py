@@ -36,6 +36,13 @@ class Column:
     min_items: int = 1
 
 
+def nan_padded(rows: list[list[Any]]) -> list[list[float]]:
+    """A list column as a rectangle: shorter rows padded with NaN, and None inside a row (a missing value, counted so
+    by the dataset check) NaN too."""
+    width = max(len(row) for row in rows)
+    return [[math.nan if x is None else x for x in row] + [math.nan] * (width - len(row)) for row in rows]
+
+
 @dataclass
 class ColumnCollator:
     """Wraps a collator and adds ``columns`` from the examples as float32 tensors (lists NaN-padded to ``(B, n)``)."""
@@ -47,11 +54,7 @@ class ColumnCollator:
         out = self.base(examples)
         for column in self.columns:
             values = [example[column.name] for example in examples]
-            if column.is_list:
-                width = max(len(v) for v in values)
-                # None inside a list is a missing value (counted so by the dataset check): NaN, like the padding
-                values = [[math.nan if x is None else x for x in v] + [math.nan] * (width - len(v)) for v in values]
-            out[column.name] = torch.tensor(values, dtype=torch.float32)
+            out[column.name] = torch.tensor(nan_padded(values) if column.is_list else values, dtype=torch.float32)
         return out
 
 

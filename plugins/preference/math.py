@@ -114,8 +114,9 @@ def qrpo_log_partition(beta: float, exact: bool = True, transform: str = "identi
     ``log(beta (e^{1/beta} - 1))`` exactly, or ``log beta + 1/beta`` (``exact=False``, the reference implementation's);
     ``log`` (``f = log u``), ``log(beta / (1 + beta))``; ``normal_icdf`` (``f`` = the standard normal quantile),
     ``1 / (2 beta^2)``; ``scaled_normal_icdf`` (``f = s`` times the normal quantile) the same for ``s = 1``, and
-    ``s^2 / (2 beta^2)`` in general (the caller multiplies by ``s^2``). The exact identity form is written as ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays
-    finite for small ``beta``; ``1 - e^{-1/beta}`` is ``-expm1(-1/beta)`` so it keeps full precision for large ``beta``.
+    ``s^2 / (2 beta^2)`` in general (the caller multiplies by ``s^2``). The exact identity form is written as
+    ``log beta + 1/beta + log(1 - e^{-1/beta})`` so it stays finite for small ``beta``; ``1 - e^{-1/beta}`` is
+    ``-expm1(-1/beta)`` so it keeps full precision for large ``beta``.
     """
     if transform == "log":
         return math.log(beta / (1.0 + beta))

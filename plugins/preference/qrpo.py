@@ -9,7 +9,7 @@ from pydantic import Field
 
 from trl_ext import PluginParams, hookimpl
 from trl_ext import metrics as figures
-from trl_ext_plugins.preference.common import Column, PreferenceLoss
+from trl_ext_plugins.preference.common import Column, PreferenceLoss, nan_padded
 from trl_ext_plugins.preference.math import (
     qrpo_log_partition,
     qrpo_loss,
@@ -95,10 +95,7 @@ class QRPO(PreferenceLoss):
     def _reference_stds(self, dataset, split: str) -> torch.Tensor:
         """Each row's reference-reward standard deviation; an infinite reward is refused (its row's scale would be
         inf, and in the train split it would make every other row's scale 0, finite / inf)."""
-        rows = dataset[self.params.ref_rewards_column]
-        width = max(len(r) for r in rows)
-        padded = torch.tensor([[float("nan") if v is None else float(v) for v in r] + [float("nan")] * (width - len(r))
-                               for r in rows], dtype=torch.float64)
+        padded = torch.tensor(nan_padded(dataset[self.params.ref_rewards_column]), dtype=torch.float64)
         if torch.isinf(padded).any():
             raise ValueError(f"plugin {self.name!r}: transform scaled_normal_icdf needs finite "
                              f"{self.params.ref_rewards_column!r} values; the {split} split has an infinite one")

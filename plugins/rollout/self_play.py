@@ -3,7 +3,6 @@ majority-vote pseudo-labels (R-Zero). The two roles alternate as stages of one r
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -431,10 +430,10 @@ class SelfPlay(Plugin):
             return None
         from accelerate import PartialState
 
-        from trl_ext.files import write_text_atomic
+        from trl_ext.callbacks import rewrite_jsonl
 
         if PartialState().is_main_process:
-            write_text_atomic(Path(output_dir) / ROWS_FILE, "".join(json.dumps(row) + "\n" for row in self.kept))
+            rewrite_jsonl(Path(output_dir) / ROWS_FILE, self.kept)
         return None
 
 
